@@ -1,0 +1,98 @@
+"""Failure classes and their exit codes.
+
+Every failure the CLI and the init-container can report is one of these classes. Each maps
+to a distinct exit code so a Job, an init-container or a script can tell them apart, and
+carries a one-line message that names the file, factor or field at fault.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1  # an unexpected error (a bug): reported with its type, never a traceback
+    USAGE = 2  # bad command line or invalid spec file
+    MISSING_GENERATION = 3  # no published generation for this key/arch
+    STAMP_MISMATCH = 4  # the generation was built for another environment
+    INTEGRITY = 5  # a file is missing, altered, truncated or not in the manifest
+    SIGNATURE = 6  # signature missing, invalid, or key unusable
+    MALFORMED_MANIFEST = 7  # MANIFEST.json unreadable or not the expected schema
+    UNSAFE_PATH = 8  # a manifest path or symlink that escapes the generation
+    NO_GPU_INFO = 9  # the target arch could not be determined
+    IO = 10  # the store or target could not be read or written (disk full, permissions)
+    WARM_FAILED = 11  # a warmer failed or a declared warmer produced nothing
+    LOCKED = 12  # another writer holds the key and the wait timed out
+
+
+EXIT_CODE_HELP = {
+    ExitCode.OK: "success",
+    ExitCode.FAILURE: "unexpected internal error",
+    ExitCode.USAGE: "bad arguments or invalid spec",
+    ExitCode.MISSING_GENERATION: "no published generation for the key",
+    ExitCode.STAMP_MISMATCH: "stamp does not match this environment (factor named)",
+    ExitCode.INTEGRITY: "a file is missing, altered, truncated or unlisted",
+    ExitCode.SIGNATURE: "manifest signature missing or invalid",
+    ExitCode.MALFORMED_MANIFEST: "manifest unreadable or wrong schema",
+    ExitCode.UNSAFE_PATH: "a path or symlink escapes the generation",
+    ExitCode.NO_GPU_INFO: "target arch could not be determined",
+    ExitCode.IO: "store or target not readable/writable (disk full, permissions)",
+    ExitCode.WARM_FAILED: "a warmer failed or produced nothing",
+    ExitCode.LOCKED: "another writer holds the key",
+}
+
+
+class KernelCacheError(Exception):
+    """A failure with a one-line message and the exit code of its class."""
+
+    code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+class SpecError(KernelCacheError):
+    code = ExitCode.USAGE
+
+
+class MissingGenerationError(KernelCacheError):
+    code = ExitCode.MISSING_GENERATION
+
+
+class StampMismatchError(KernelCacheError):
+    code = ExitCode.STAMP_MISMATCH
+
+
+class IntegrityError(KernelCacheError):
+    code = ExitCode.INTEGRITY
+
+
+class SignatureError(KernelCacheError):
+    code = ExitCode.SIGNATURE
+
+
+class ManifestError(KernelCacheError):
+    code = ExitCode.MALFORMED_MANIFEST
+
+
+class UnsafePathError(KernelCacheError):
+    code = ExitCode.UNSAFE_PATH
+
+
+class NoGpuInfoError(KernelCacheError):
+    code = ExitCode.NO_GPU_INFO
+
+
+class StorageError(KernelCacheError):
+    code = ExitCode.IO
+
+
+class WarmError(KernelCacheError):
+    code = ExitCode.WARM_FAILED
+
+
+class LockedError(KernelCacheError):
+    code = ExitCode.LOCKED
