@@ -1,0 +1,48 @@
+# Two commands on a fresh machine: `make demo` (build, verify and load the example cache)
+# and `make test`. Both create the virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STORE ?= demo-store
+SPEC ?= examples/kernelcache.yaml
+SERVE_DIR ?= $(STORE)-serve
+
+.PHONY: demo test lint crds bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cute,dev]'
+	touch $@
+
+# Build the example cache for every arch of the spec (CPU is enough: CuTe-DSL cross-compiles),
+# verify it as the init-container would, copy it out, then play the serving process: a fresh
+# process that must find every kernel in the cache and compile none.
+demo: $(VENV)/.installed
+	$(VENV)/bin/kernelcache build -f $(SPEC) --store $(STORE)
+	$(VENV)/bin/kernelcache inspect --store $(STORE)
+	rm -rf $(SERVE_DIR) && mkdir -p $(SERVE_DIR)
+	PYTHONPATH=examples $(VENV)/bin/kernelcache verify --store $(STORE) -f $(SPEC) --arch sm_90a \
+		--check-env --materialize $(SERVE_DIR)
+	CUTE_DSL_ARCH=sm_90a KERNELCACHE_STRICT=1 \
+		KERNELCACHE_CUTE_DSL_DIR=$$(ls -d $(SERVE_DIR)/*/)cute-dsl \
+		$(PY) examples/demo_kernels.py
+
+# pytest exits 5 when it collected no tests: that is a failure, not a pass.
+test: $(VENV)/.installed
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
+
+crds: $(VENV)/.installed
+	$(PY) -m kernelcache.spec > crds/kernelcache.dev_kernelcaches.yaml
+
+bench: $(VENV)/.installed
+	$(PY) bench/cute_compile_vs_load.py
+	$(PY) bench/verify_throughput.py
+
+clean:
+	rm -rf $(VENV) $(STORE) $(SERVE_DIR)

@@ -1,0 +1,5 @@
+import sys
+
+from kernelcache.cli import main
+
+sys.exit(main())

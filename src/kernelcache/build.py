@@ -1,0 +1,200 @@
+"""The local pipeline: warm → seal → publish per arch, and the environment check of verify.
+
+``warm_arch`` is what one compile Job runs (``kernelcache warm``): it takes the key's writer
+lock, re-checks whether the current generation already has this stamp (two builders of one
+key produce one generation), warms into a staging dir and publishes. ``build`` runs
+``kernelcache warm`` once per arch, each in its own process, because ``CUTE_DSL_ARCH`` is read
+when the DSL is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kernelcache import stamp as stamps
+from kernelcache.errors import ExitCode, KernelCacheError, StampMismatchError
+from kernelcache.spec import KernelCache
+from kernelcache.store import Manifest, Store
+from kernelcache.warm import make_warmers, run_warmers
+
+
+def cache_key(kc: KernelCache, arch: str) -> str:
+    return f"{kc.metadata.namespace}/{kc.metadata.name}/{arch}"
+
+
+@dataclass
+class ArchResult:
+    """One arch's outcome, printed in the build table and passed from the warm process."""
+
+    arch: str
+    status: str  # published | up-to-date | failed
+    generation: str | None = None
+    stamp: str | None = None
+    files: int = 0
+    bytes: int = 0
+    compiled: int = 0
+    seconds: float = 0.0
+    exit_code: int = 0
+    message: str = ""
+
+    @classmethod
+    def from_manifest(cls, arch: str, status: str, manifest: Manifest, seconds: float) -> ArchResult:
+        compiled = sum(w.get("compiled", 0) for w in manifest.report.get("warmers", []))
+        return cls(
+            arch=arch,
+            status=status,
+            generation=manifest.generation,
+            stamp=manifest.stamp["digest"],
+            files=len(manifest.files),
+            bytes=manifest.total_bytes,
+            compiled=compiled if status == "published" else 0,
+            seconds=round(seconds, 3),
+        )
+
+
+def workload_of(kc: KernelCache) -> list[dict[str, Any]]:
+    """The declared warm-up: which warmers, entry points, commands and workloads (a factor)."""
+    return [w.model_dump(by_alias=True, exclude={"timeout_seconds"}) for w in kc.spec.warmers]
+
+
+def warm_arch(
+    kc: KernelCache,
+    spec_dir: Path | None,
+    store: Store,
+    arch: str,
+    *,
+    signing_key: Any = None,
+    force: bool = False,
+) -> ArchResult:
+    """Warm, seal and publish one arch; a no-op when the current generation has this stamp."""
+    start = time.perf_counter()
+    os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
+    warmers = make_warmers(kc.spec.warmers, spec_dir)
+    sources = {name: digest for w in warmers for name, digest in w.sources().items()}
+    stamp = stamps.collect(arch=arch, sources=sources, workload=workload_of(kc))
+    key = cache_key(kc, arch)
+    with store.writer(key) as writer:
+        current = writer.current_manifest()
+        if current is not None and current.stamp.get("digest") == stamp.digest and not force:
+            return ArchResult.from_manifest(arch, "up-to-date", current, time.perf_counter() - start)
+        files_dir = writer.staging()
+        report = run_warmers(warmers, files_dir, arch)
+        manifest = writer.publish(
+            files_dir,
+            stamp.to_dict(),
+            report,
+            signing_key=signing_key,
+            keep=kc.spec.retention.generations,
+        )
+    return ArchResult.from_manifest(arch, "published", manifest, time.perf_counter() - start)
+
+
+def build(
+    spec_path: Path,
+    store_root: Path,
+    arches: list[str],
+    *,
+    signing_key_path: Path | None = None,
+    force: bool = False,
+    on_start: Callable[[str], None] = lambda arch: None,
+    on_done: Callable[[ArchResult], None] = lambda result: None,
+) -> list[ArchResult]:
+    """Run ``kernelcache warm`` for each arch in its own process, one after another."""
+    results = []
+    for arch in arches:
+        on_start(arch)
+        result = _warm_in_subprocess(spec_path, store_root, arch, signing_key_path, force)
+        on_done(result)
+        results.append(result)
+    return results
+
+
+def _warm_in_subprocess(
+    spec_path: Path, store_root: Path, arch: str, signing_key_path: Path | None, force: bool
+) -> ArchResult:
+    with tempfile.TemporaryDirectory(prefix="kernelcache-warm-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "kernelcache", "warm",
+            "-f", str(spec_path), "--store", str(store_root), "--arch", arch,
+            "--result", str(result_path),
+        ]  # fmt: skip
+        if signing_key_path is not None:
+            cmd += ["--signing-key", str(signing_key_path)]
+        if force:
+            cmd.append("--force")
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if result_path.exists():
+            return ArchResult(**json.loads(result_path.read_text()))
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        return ArchResult(
+            arch=arch,
+            status="failed",
+            seconds=round(time.perf_counter() - start, 3),
+            exit_code=proc.returncode or int(ExitCode.FAILURE),
+            message=lines[-1] if lines else f"warm process exited with {proc.returncode}",
+        )
+
+
+def write_result(path: Path, result: ArchResult) -> None:
+    path.write_text(json.dumps(asdict(result)))
+
+
+def check_environment(manifest: Manifest, arch: str | None = None) -> None:
+    """Refuse a generation whose environment factors differ from this process's environment.
+
+    Recomputes the factors an environment decides (arch, Python ABI, CUDA runtime, every
+    recorded distribution, declared kernel sources) and compares them with the manifest's;
+    the first differing factor is named. Declared workload is the build's input, not the
+    environment's, so it is not re-derived here.
+    """
+    recorded = stamps.Stamp.from_dict(manifest.stamp)
+    dists = [n.removeprefix("dist/") for n in recorded.factors if n.startswith("dist/")]
+    sources = {}
+    for name in recorded.factors:
+        if name.startswith("source/"):
+            module = name.removeprefix("source/")
+            try:
+                sources[module] = stamps.source_digest(module)
+            except Exception:
+                sources[module] = "absent"
+    here = stamps.collect(
+        arch=arch or recorded.factors.get("arch"),
+        distributions=dists,
+        sources=sources,
+    )
+    diffs = [
+        d
+        for d in stamps.explain(recorded, here)
+        if d.name not in ("workload", "gpu_product") and not d.name.startswith("extra/")
+    ]
+    if diffs:
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        raise StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+
+
+def result_exit_code(results: list[ArchResult]) -> int:
+    failed = [r for r in results if r.status == "failed"]
+    return failed[0].exit_code if failed else int(ExitCode.OK)
+
+
+__all__ = [
+    "ArchResult",
+    "KernelCacheError",
+    "build",
+    "cache_key",
+    "check_environment",
+    "result_exit_code",
+    "warm_arch",
+    "write_result",
+]

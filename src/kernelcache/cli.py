@@ -1,0 +1,363 @@
+"""The ``kernelcache`` command: build, warm, verify, explain, inspect, gc, keygen.
+
+Each subcommand makes one library call. Every failure prints one line naming the file,
+factor or field at fault and exits with the code of its class (listed in ``--help``); an
+unexpected error is reported the same way, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kernelcache.errors import (
+    EXIT_CODE_HELP,
+    ExitCode,
+    KernelCacheError,
+    MissingGenerationError,
+    SpecError,
+)
+
+
+def _exit_codes_epilog() -> str:
+    rows = "\n".join(f"  {int(code):>2}  {text}" for code, text in EXIT_CODE_HELP.items())
+    return f"exit codes:\n{rows}"
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def _load_spec(path: Path) -> Any:
+    from kernelcache.spec import load_kernelcache
+
+    return load_kernelcache(path)
+
+
+def _arches(kc: Any, requested: list[str] | None) -> list[str]:
+    declared = kc.spec.arches()
+    if not requested:
+        return declared
+    unknown = [a for a in requested if a not in declared]
+    if unknown:
+        raise SpecError(
+            f"--arch {unknown[0]}: not an arch of spec.gpuClasses (declared: {', '.join(declared)})"
+        )
+    return requested
+
+
+def _signing_key(path: Path | None) -> Any:
+    if path is None:
+        return None
+    from kernelcache.store import load_private_key
+
+    return load_private_key(path)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Warm every arch of a spec in its own process, seal and publish, then print a table."""
+    from rich.table import Table
+
+    from kernelcache import build
+
+    kc = _load_spec(args.file)
+    arches = _arches(kc, args.arch)
+    err = _console(stderr=True)
+    status = err.status("")
+    status.start()
+
+    def started(arch: str) -> None:
+        status.update(f"warming {kc.metadata.name} for {arch} …")
+
+    def done(result: build.ArchResult) -> None:
+        mark = "[red]✗[/]" if result.status == "failed" else "[green]✓[/]"
+        detail = result.message if result.status == "failed" else f"{result.files} files"
+        err.print(f"{mark} {result.arch}: {result.status} in {result.seconds:.1f} s ({detail})")
+
+    try:
+        results = build.build(
+            args.file.resolve(),
+            args.store,
+            arches,
+            signing_key_path=args.signing_key,
+            force=args.force,
+            on_start=started,
+            on_done=done,
+        )
+    finally:
+        status.stop()
+    table = Table(title=f"kernelcache build {kc.metadata.namespace}/{kc.metadata.name}")
+    for column in ("arch", "status", "generation", "files", "bytes", "compiled", "seconds"):
+        table.add_column(column, justify="right" if column in ("files", "bytes") else "left")
+    for r in results:
+        table.add_row(
+            r.arch,
+            r.status,
+            r.generation or "-",
+            str(r.files),
+            f"{r.bytes:,}",
+            str(r.compiled),
+            f"{r.seconds:.2f}",
+        )
+    _console().print(table)
+    for r in results:
+        if r.status == "failed":
+            print(f"kernelcache: error: {r.arch}: {r.message}", file=sys.stderr)
+    return build.result_exit_code(results)
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Warm one arch into the store (what a compile Job runs)."""
+    from kernelcache import build
+    from kernelcache.store import Store
+
+    kc = _load_spec(args.file)
+    (arch,) = _arches(kc, [args.arch])
+    result = build.warm_arch(
+        kc,
+        args.file.resolve().parent,
+        Store(args.store),
+        arch,
+        signing_key=_signing_key(args.signing_key),
+        force=args.force,
+    )
+    if args.result:
+        build.write_result(args.result, result)
+    print(f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)")
+    return 0
+
+
+def _resolve_generation(args: argparse.Namespace) -> tuple[str, Path]:
+    from kernelcache.build import cache_key
+    from kernelcache.store import Store
+
+    if args.key:
+        key = args.key
+    elif args.file and args.arch:
+        key = cache_key(_load_spec(args.file), args.arch)
+    else:
+        raise SpecError("verify: give --key NAMESPACE/NAME/ARCH, or -f SPEC with --arch")
+    gen_dir = Store(args.store).current(key)
+    if gen_dir is None:
+        raise MissingGenerationError(f"{key}: no published generation in {args.store}")
+    return key, gen_dir
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Verify the current generation of a key as the init-container does; optionally copy it out."""
+    from kernelcache.build import check_environment
+    from kernelcache.store import load_public_key, materialize, verify
+
+    key, gen_dir = _resolve_generation(args)
+    public_key = load_public_key(args.public_key) if args.public_key else None
+    result = verify(gen_dir, public_key=public_key, require_signature=args.require_signature)
+    result.raise_for_problems()
+    manifest = result.manifest
+    assert manifest is not None
+    if args.check_env:
+        check_environment(manifest, key.rsplit("/", 1)[-1])
+    line = (
+        f"{key}: generation {manifest.generation} verified: {len(manifest.files)} files, "
+        f"{result.bytes_checked / 1e6:.1f} MB in {result.seconds:.2f} s"
+    )
+    if args.materialize:
+        target = materialize(gen_dir, manifest, args.materialize)
+        line += f"; materialized at {target}"
+    print(line)
+    return 0
+
+
+def _stamp_of(ref: str, other: Any = None) -> Any:
+    """A stamp from a manifest file, a generation dir, or ``env`` (this environment)."""
+    from kernelcache import stamp as stamps
+    from kernelcache.store import Manifest
+
+    if ref == "env":
+        factors = other.factors if other is not None else {}
+        dists = [n.removeprefix("dist/") for n in factors if n.startswith("dist/")]
+        return stamps.collect(arch=factors.get("arch"), distributions=dists or None)
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "MANIFEST.json"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"{ref}: cannot read: {exc.strerror}") from exc
+    return stamps.Stamp.from_dict(Manifest.parse(data, str(path)).stamp)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Name the factors that differ between two stamps (exit 4 when any differ)."""
+    from kernelcache import stamp as stamps
+
+    left = _stamp_of(args.left) if args.left != "env" else None
+    right = _stamp_of(args.right, left)
+    if left is None:
+        left = _stamp_of("env", right)
+    diffs = stamps.explain(left, right)
+    if not diffs:
+        print(f"same stamp {left.digest}: a hit")
+        return 0
+    for diff in diffs:
+        print(diff.describe())
+    return int(ExitCode.STAMP_MISMATCH)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """List keys, generations and what the current one holds."""
+    from rich.table import Table
+
+    from kernelcache.store import Store
+
+    store = Store(args.store)
+    keys = [args.key] if args.key else store.keys()
+    rows = []
+    for key in keys:
+        current = store.current_manifest(key)
+        for m in store.generations(key):
+            rows.append(
+                {
+                    "key": key,
+                    "generation": m.generation,
+                    "current": current is not None and m.generation == current.generation,
+                    "created": m.created,
+                    "files": len(m.files),
+                    "bytes": m.total_bytes,
+                    "stamp": m.stamp.get("digest"),
+                    "report": m.report if args.json else None,
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = Table(title=f"kernelcache store {args.store}")
+    for column in ("key", "generation", "current", "created", "files", "bytes", "stamp"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["key"],
+            row["generation"],
+            "*" if row["current"] else "",
+            row["created"],
+            str(row["files"]),
+            f"{row['bytes']:,}",
+            str(row["stamp"])[:23],
+        )
+    _console().print(table)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove old generations, keeping the newest N and always the current one."""
+    from kernelcache.store import Store
+
+    store = Store(args.store)
+    for key in [args.key] if args.key else store.keys():
+        removed = store.gc(key, keep=args.keep)
+        print(f"{key}: removed {len(removed)} generation(s){': ' if removed else ''}{' '.join(removed)}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Write an ed25519 key pair for signing manifests."""
+    from kernelcache.store import generate_keypair
+
+    private, public = generate_keypair(args.dir)
+    print(f"private key: {private}\npublic key: {public}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kernelcache",
+        description="Compile GPU kernels ahead of time, store them stamped, verify before serving.",
+        epilog=_exit_codes_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str) -> Any:
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=func.__doc__,
+            epilog=_exit_codes_epilog(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(func=func)
+        return p
+
+    def store_arg(p: Any) -> None:
+        p.add_argument("--store", type=Path, required=True, help="store root (the PV mount)")
+
+    p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
+    p.add_argument("-f", "--file", type=Path, required=True, help="KernelCache YAML")
+    store_arg(p)
+    p.add_argument("--arch", action="append", help="only this arch (repeatable)")
+    p.add_argument("--signing-key", type=Path, help="ed25519 private key to sign manifests")
+    p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+
+    p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)")
+    p.add_argument("-f", "--file", type=Path, required=True, help="KernelCache YAML")
+    store_arg(p)
+    p.add_argument("--arch", required=True, help="SM arch, e.g. sm_90a")
+    p.add_argument("--signing-key", type=Path, help="ed25519 private key to sign the manifest")
+    p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    p.add_argument("--result", type=Path, help="write the result as JSON here")
+
+    p = add("verify", cmd_verify, "verify the current generation (the init-container's check)")
+    store_arg(p)
+    p.add_argument("--key", help="NAMESPACE/NAME/ARCH")
+    p.add_argument("-f", "--file", type=Path, help="KernelCache YAML (with --arch, instead of --key)")
+    p.add_argument("--arch", help="SM arch, with -f")
+    p.add_argument("--public-key", type=Path, help="ed25519 public key: the signature must verify")
+    p.add_argument("--require-signature", action="store_true", help="refuse unsigned manifests")
+    p.add_argument(
+        "--check-env",
+        action="store_true",
+        help="refuse when this environment's factors differ from the stamp",
+    )
+    p.add_argument("--materialize", type=Path, metavar="DIR", help="copy the verified files here")
+
+    p = add("explain", cmd_explain, "name the factors that differ between two stamps")
+    p.add_argument("left", help="MANIFEST.json, generation dir, or 'env'")
+    p.add_argument("right", help="MANIFEST.json, generation dir, or 'env'")
+
+    p = add("inspect", cmd_inspect, "list keys and generations of a store")
+    store_arg(p)
+    p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
+    p.add_argument("--json", action="store_true", help="machine-readable, with warm reports")
+
+    p = add("gc", cmd_gc, "remove old generations (never the current one)")
+    store_arg(p)
+    p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
+    p.add_argument("--keep", type=int, default=2, help="generations to keep per key (default 2)")
+
+    p = add("keygen", cmd_keygen, "write an ed25519 key pair for signing")
+    p.add_argument("dir", type=Path, help="directory for kernelcache.key and kernelcache.pub")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KernelCacheError as exc:
+        print(f"kernelcache: error: {exc.message}", file=sys.stderr)
+        return int(exc.code)
+    except KeyboardInterrupt:
+        print("kernelcache: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: still one line, with the class to search for
+        print(f"kernelcache: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILURE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
