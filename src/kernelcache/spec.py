@@ -1,0 +1,520 @@
+"""The KernelCache custom resource: models, file loader and CRD generator.
+
+The pydantic models are the single source of truth. The CLI validates spec files with them,
+the operator parses live objects with them, and the committed CRD is generated from them, so
+the API server and the tools cannot disagree about what a valid KernelCache is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from itertools import zip_longest
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from kernelcache.errors import SpecError
+
+GROUP = "kernelcache.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KernelCache"
+PLURAL = "kernelcaches"
+CRD_PATH = "crds/kernelcache.dev_kernelcaches.yaml"
+
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ARCH = r"^sm_[0-9]{2,3}[af]?$"
+DIGEST = r"^sha256:[0-9a-f]{64}$"
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+ENTRY_POINT = rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[mkMGTPE]|[KMGTPE]i)?$"
+
+# A raw regex is a poor error message; say what was expected instead.
+_PATTERN_HINTS = {
+    DNS1123_LABEL: "a DNS-1123 label (lowercase letters, digits and '-')",
+    DNS1123_SUBDOMAIN: "a DNS-1123 name (lowercase letters, digits, '-' and '.')",
+    ARCH: "an SM arch such as sm_90a, sm_100a, sm_120a or sm_89",
+    DIGEST: "an image digest of the form sha256:<64 hex digits>",
+    ENTRY_POINT: "an entry point of the form module:function or module:obj.attr",
+    QUANTITY: "a Kubernetes quantity such as 20Gi or 500m",
+}
+
+Arch = Annotated[str, Field(pattern=ARCH)]
+Quantity = Annotated[str, Field(pattern=QUANTITY)]
+EntryPoint = Annotated[str, Field(pattern=ENTRY_POINT)]
+
+# strict: the API server rejects "132" for an integer, so the CLI must too.
+_SPEC_CONFIG = ConfigDict(
+    alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True
+)
+# Status is written by the operator; an older reader must not choke on newer fields.
+_STATUS_CONFIG = ConfigDict(
+    alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=True
+)
+
+
+def _rule_error(field: str, detail: str) -> PydanticCustomError:
+    """A cross-field error that names the offending field below the model's own location."""
+    return PydanticCustomError("spec_rule", "{detail}", {"field": field, "detail": detail})
+
+
+class ObjectMeta(BaseModel):
+    """Kubernetes object metadata; server-set keys (uid, resourceVersion, ...) pass through."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="allow", strict=True
+    )
+
+    name: str = Field(max_length=253, pattern=DNS1123_SUBDOMAIN)
+    namespace: str = Field(default="default", max_length=63, pattern=DNS1123_LABEL)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Engine(BaseModel):
+    """The serving engine image; warm Jobs run in it so caches match what serving loads."""
+
+    model_config = _SPEC_CONFIG
+
+    image: str = Field(min_length=1, description="Serving image the warm Job runs in.")
+    image_digest: str | None = Field(
+        default=None, pattern=DIGEST, description="Pins the image; recorded in the cache stamp."
+    )
+
+
+class Toleration(BaseModel):
+    """A Kubernetes toleration, copied onto the warm Job's pods."""
+
+    model_config = _SPEC_CONFIG
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(BaseModel):
+    """Resource requests and limits of the warm Job's container."""
+
+    model_config = _SPEC_CONFIG
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class GpuClass(BaseModel):
+    """A kind of GPU node to build for; each arch gets its own cache generation."""
+
+    model_config = _SPEC_CONFIG
+
+    name: str = Field(max_length=63, pattern=DNS1123_LABEL)
+    arch: Arch = Field(description="SM architecture kernels are compiled for, e.g. sm_90a.")
+    gpu_product: str | None = Field(
+        default=None, description="GPU product name, e.g. 'NVIDIA H200'; scopes autotune results."
+    )
+    sm_count: int | None = Field(default=None, ge=1, description="Streaming multiprocessor count.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    resources: Resources = Field(default_factory=Resources)
+
+
+class Warmer(BaseModel):
+    """One way of compiling kernels: Python entry points (cute-dsl) or a command."""
+
+    model_config = _SPEC_CONFIG
+
+    type: Literal["cute-dsl", "command"]
+    entry_points: list[EntryPoint] = Field(
+        default_factory=list, description="cute-dsl only: functions that compile kernels."
+    )
+    command: list[str] = Field(default_factory=list, description="command only: argv to run.")
+    env: dict[str, str] = Field(default_factory=dict)
+    workload: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form JSON passed to the entry points."
+    )
+    timeout_seconds: int = Field(default=3600, ge=1)
+
+    @model_validator(mode="after")
+    def _check_type_fields(self) -> Warmer:
+        if self.type == "cute-dsl":
+            if not self.entry_points:
+                raise _rule_error("entryPoints", "required for a cute-dsl warmer")
+            if self.command:
+                raise _rule_error("command", "not allowed for a cute-dsl warmer")
+        else:
+            if not self.command:
+                raise _rule_error("command", "required for a command warmer")
+            if self.entry_points:
+                raise _rule_error("entryPoints", "not allowed for a command warmer")
+        return self
+
+
+class PvcTemplate(BaseModel):
+    """A PersistentVolumeClaim the operator creates to hold the cache generations."""
+
+    model_config = _SPEC_CONFIG
+
+    storage_class_name: str | None = None
+    size: Quantity = "50Gi"
+    access_modes: list[
+        Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
+    ] = Field(default=["ReadWriteMany"], min_length=1)
+
+
+class Storage(BaseModel):
+    """Where generations live: an existing claim, or a claim the operator creates."""
+
+    model_config = _SPEC_CONFIG
+
+    existing_claim: str | None = Field(default=None, min_length=1)
+    pvc: PvcTemplate | None = None
+
+    @model_validator(mode="after")
+    def _check_exactly_one(self) -> Storage:
+        if (self.existing_claim is None) == (self.pvc is None):
+            raise _rule_error("", "set exactly one of existingClaim or pvc")
+        return self
+
+
+class Retention(BaseModel):
+    """How many published generations to keep, so a rollback has something to load."""
+
+    model_config = _SPEC_CONFIG
+
+    generations: int = Field(default=2, ge=1, le=20)
+    delete_data_on_delete: bool = Field(
+        default=False, description="Delete the cache data (and a created PVC) with the KernelCache."
+    )
+
+
+class Signing(BaseModel):
+    """Manifest signing; the key is read from a Secret."""
+
+    model_config = _SPEC_CONFIG
+
+    enabled: bool = False
+    secret_name: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_secret(self) -> Signing:
+        if self.enabled and self.secret_name is None:
+            raise _rule_error("secretName", "required when enabled is true")
+        return self
+
+
+class Verification(BaseModel):
+    """How strictly a consumer checks a generation before using it."""
+
+    model_config = _SPEC_CONFIG
+
+    policy: Literal["strict", "permissive"] = Field(
+        default="strict", description="strict fails on any mismatch; permissive reports it instead."
+    )
+    signing: Signing = Signing()
+
+
+class KernelCacheSpec(BaseModel):
+    """What to compile (model, engine, warmers), for which GPUs, and where to keep it."""
+
+    model_config = _SPEC_CONFIG
+
+    model: str = Field(min_length=1, description="The served model, e.g. Qwen/Qwen3-30B-A3B.")
+    engine: Engine
+    gpu_classes: list[GpuClass] = Field(min_length=1)
+    warmers: list[Warmer] = Field(min_length=1)
+    storage: Storage = Storage(pvc=PvcTemplate())
+    retention: Retention = Retention()
+    verification: Verification = Verification()
+
+    @model_validator(mode="after")
+    def _check_unique(self) -> KernelCacheSpec:
+        names: dict[str, int] = {}
+        for i, gpu_class in enumerate(self.gpu_classes):
+            if (first := names.setdefault(gpu_class.name, i)) != i:
+                raise _rule_error(f"gpuClasses[{i}].name", f"duplicate of gpuClasses[{first}].name")
+        warmers: dict[tuple[str, tuple[str, ...], tuple[str, ...]], int] = {}
+        for i, w in enumerate(self.warmers):
+            key = (w.type, tuple(w.entry_points), tuple(w.command))
+            if (first := warmers.setdefault(key, i)) != i:
+                field = "entryPoints" if w.type == "cute-dsl" else "command"
+                raise _rule_error(f"warmers[{i}].{field}", f"duplicate of warmers[{first}]")
+        return self
+
+    def arches(self) -> list[str]:
+        """The distinct arches to build, sorted; one warm Job and generation per arch."""
+        return sorted({c.arch for c in self.gpu_classes})
+
+
+class ArchStatus(BaseModel):
+    """Progress and result of one arch's build."""
+
+    model_config = _STATUS_CONFIG
+
+    arch: Arch
+    phase: Literal["Pending", "Compiling", "Ready", "Failed"]
+    generation: str | None = None
+    stamp_digest: str | None = None
+    artifacts: int | None = None
+    bytes: int | None = None
+    compile_seconds: float | None = None
+    message: str | None = None
+
+
+class Condition(BaseModel):
+    """A standard Kubernetes condition."""
+
+    model_config = _STATUS_CONFIG
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class KernelCacheStatus(BaseModel):
+    """Observed state, written by the operator."""
+
+    model_config = _STATUS_CONFIG
+
+    phase: Literal["Pending", "Compiling", "Ready", "Failed", "Degraded"] | None = None
+    observed_generation: int | None = None
+    ready_arches: str | None = Field(default=None, description="Ready arches out of all, e.g. 2/3.")
+    arches: list[ArchStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class KernelCache(BaseModel):
+    """Builds GPU kernel caches ahead of time so serving pods start with them warm."""
+
+    model_config = _SPEC_CONFIG
+
+    api_version: Literal["kernelcache.dev/v1alpha1"]
+    kind: Literal["KernelCache"]
+    metadata: ObjectMeta
+    spec: KernelCacheSpec
+    status: KernelCacheStatus | None = None
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", item):
+            parts.append(f".{item}" if parts else item)
+        else:
+            parts.append(f'["{item}"]')  # a map key such as nvidia.com/gpu.product
+    return "".join(parts)
+
+
+def _describe(error: ErrorDetails) -> tuple[str, str]:
+    """The camelCase field path and a short explanation of one pydantic error."""
+    ctx = error.get("ctx", {})
+    path = _format_loc(error["loc"])
+    if error["type"] == "spec_rule":
+        field = ctx["field"]
+        path = f"{path}.{field}" if path and field else path or field
+        return path, error["msg"]
+    got = error.get("input")
+    shown = f", got {got!r:.60}" if isinstance(got, (str, int, float)) else ""
+    if error["type"] == "missing":
+        return path, "required field is missing"
+    if error["type"] == "extra_forbidden":
+        return path, "unknown field"
+    if error["type"] == "too_short":
+        return path, f"needs at least {ctx['min_length']} item(s), got {ctx['actual_length']}"
+    if error["type"] == "string_pattern_mismatch" and ctx.get("pattern") in _PATTERN_HINTS:
+        return path, f"expected {_PATTERN_HINTS[ctx['pattern']]}{shown}"
+    return path, error["msg"] + shown
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def parse_kernelcache(obj: Any, source: str) -> KernelCache:
+    """Validate a KernelCache object (from a file or the API server) or raise SpecError."""
+    if not isinstance(obj, dict):
+        raise SpecError(
+            f"{source}: expected a KernelCache mapping, got {type(obj).__name__}", path=source
+        )
+    try:
+        return KernelCache.model_validate(obj)
+    except ValidationError as exc:
+        errors = exc.errors()
+        path, what = _describe(errors[0])
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        where = f"{path}: " if path else ""
+        raise SpecError(_one_line(f"{source}: {where}{what}{more}"), path=source) from None
+
+
+def load_kernelcache(path: str | Path) -> KernelCache:
+    """Read a one-document KernelCache YAML file; any problem becomes a one-line SpecError."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{source}: cannot read: {exc.strerror or exc}", path=source) from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{source}: not UTF-8 text", path=source) from None
+    try:
+        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        message = f"{source}: {where}YAML syntax error: {exc.problem or exc.context}"
+        raise SpecError(_one_line(message), path=source) from None
+    except yaml.YAMLError as exc:
+        raise SpecError(_one_line(f"{source}: YAML error: {exc}"), path=source) from None
+    if len(docs) != 1:
+        raise SpecError(
+            f"{source}: expected exactly one YAML document, found {len(docs)}", path=source
+        )
+    return parse_kernelcache(docs[0], source)
+
+
+# OpenAPI keywords a structural schema may carry; anything else is a generator bug.
+_STRUCTURAL_KEYS = {
+    "type", "description", "properties", "required", "items", "additionalProperties",
+    "enum", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
+    "maxItems", "default", "x-kubernetes-preserve-unknown-fields",
+}  # fmt: skip
+
+
+def _without_none(value: Any) -> Any:
+    """Drop null members: Kubernetes rejects a default that holds nulls."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite one pydantic JSON-schema node into a Kubernetes structural schema node."""
+    node = {k: v for k, v in node.items() if k != "title"}
+    if ref := node.pop("$ref", None):
+        return _structural({**defs[ref.rsplit("/", 1)[1]], **node}, defs)
+    if "anyOf" in node:
+        # `X | None`: Kubernetes prunes nulls, so an optional X is just X.
+        options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
+        if len(options) != 1:
+            raise TypeError(f"only `X | None` unions fit a structural schema: {options}")
+        return _structural({**options[0], **node}, defs)
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    if "default" in node:
+        if node["default"] is None:
+            del node["default"]
+        else:
+            node["default"] = _without_none(node["default"])
+    if "properties" in node:
+        node["properties"] = {k: _structural(v, defs) for k, v in node["properties"].items()}
+    if "items" in node:
+        node["items"] = _structural(node["items"], defs)
+    extra = node.pop("additionalProperties", False)
+    if extra is True:
+        node["x-kubernetes-preserve-unknown-fields"] = True
+    elif isinstance(extra, dict):
+        node["additionalProperties"] = _structural(extra, defs)
+    if unknown := set(node) - _STRUCTURAL_KEYS:
+        raise TypeError(f"keywords not supported in a structural schema: {sorted(unknown)}")
+    return node
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition for KernelCache, generated from the models."""
+    schema = KernelCache.model_json_schema(by_alias=True)
+    root = _structural(schema, schema.pop("$defs", {}))
+    # The API server owns these three; it rejects any constraint on metadata.
+    root["properties"].update(
+        apiVersion={"type": "string"}, kind={"type": "string"}, metadata={"type": "object"}
+    )
+    root["required"] = ["spec"]
+    columns = [
+        ("Model", "string", ".spec.model"),
+        ("Ready", "string", ".status.readyArches"),
+        ("Phase", "string", ".status.phase"),
+        ("Age", "date", ".metadata.creationTimestamp"),
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": ["kc"],
+                "categories": ["kernelcache"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": name, "type": type_, "jsonPath": path}
+                        for name, type_, path in columns
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The committed CRD file's exact text."""
+    header = (
+        "# Generated from kernelcache.spec; do not edit. "
+        f"Regenerate with: python -m kernelcache.spec > {CRD_PATH}\n"
+    )
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=True, width=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kernelcache.spec",
+        description="Print the KernelCache CRD generated from the models.",
+    )
+    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the CRD")
+    args = parser.parse_args(argv)
+    expected = crd_yaml()
+    if args.check is None:
+        sys.stdout.write(expected)
+        return 0
+    try:
+        actual = Path(args.check).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"{args.check}: cannot read: {exc}", file=sys.stderr)
+        return 1
+    if actual == expected:
+        return 0
+    pairs = zip_longest(actual.splitlines(keepends=True), expected.splitlines(keepends=True))
+    line = next(i for i, (a, b) in enumerate(pairs, 1) if a != b)
+    print(
+        f"{args.check}: line {line} differs from the generated CRD; "
+        f"regenerate with: python -m kernelcache.spec > {args.check}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
