@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode, KernelCacheError, StampMismatchError
+from kernelcache.errors import ExitCode, StampMismatchError
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
 from kernelcache.warm import make_warmers, run_warmers
@@ -66,6 +66,14 @@ def workload_of(kc: KernelCache) -> list[dict[str, Any]]:
     return [w.model_dump(by_alias=True, exclude={"timeout_seconds"}) for w in kc.spec.warmers]
 
 
+def declared_factors(kc: KernelCache) -> dict[str, str]:
+    """What the spec declares about the serving side: a new model or image is a new generation."""
+    image = kc.spec.engine.image
+    if kc.spec.engine.image_digest:
+        image += "@" + kc.spec.engine.image_digest
+    return {"model": kc.spec.model, "engine_image": image}
+
+
 def warm_arch(
     kc: KernelCache,
     spec_dir: Path | None,
@@ -80,7 +88,9 @@ def warm_arch(
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     warmers = make_warmers(kc.spec.warmers, spec_dir)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
-    stamp = stamps.collect(arch=arch, sources=sources, workload=workload_of(kc))
+    stamp = stamps.collect(
+        arch=arch, sources=sources, workload=workload_of(kc), extra=declared_factors(kc)
+    )
     key = cache_key(kc, arch)
     with store.writer(key) as writer:
         current = writer.current_manifest()
@@ -186,15 +196,3 @@ def check_environment(manifest: Manifest, arch: str | None = None) -> None:
 def result_exit_code(results: list[ArchResult]) -> int:
     failed = [r for r in results if r.status == "failed"]
     return failed[0].exit_code if failed else int(ExitCode.OK)
-
-
-__all__ = [
-    "ArchResult",
-    "KernelCacheError",
-    "build",
-    "cache_key",
-    "check_environment",
-    "result_exit_code",
-    "warm_arch",
-    "write_result",
-]

@@ -216,7 +216,11 @@ class Verification(BaseModel):
     model_config = _SPEC_CONFIG
 
     policy: Literal["strict", "permissive"] = Field(
-        default="strict", description="strict fails on any mismatch; permissive reports it instead."
+        default="strict",
+        description=(
+            "Autotune results stamped for another GPU product: strict refuses the pod, permissive "
+            "drops them with a warning and a metric. Integrity and signature failures always refuse."
+        ),
     )
     signing: Signing = Signing()
 
