@@ -1,0 +1,478 @@
+"""The key factors of a cache generation, and the digests derived from them.
+
+A stamp is a flat map of named factors (``arch``, ``python_abi``, ``dist/torch``, ...), each a
+canonical string. A cache generation is valid for an environment exactly when the environment's
+stamp has the same digest, and ``explain`` names the factors that differ when it does not.
+
+Host- and path-derived values are never factors, by construction: nothing here reads HOME, the
+working directory, PATH, the hostname, TMPDIR, a pod IP or node name, the time, a PID, a cache
+directory or any absolute path into a factor value. Every such value differs between the pod
+that builds a cache and the pods that serve from it, so a factor derived from one never matches:
+peers lost whole caches to a pod IP in a hash, to a ``cuda_home`` that depended on PATH, and to
+path-valued environment variables. Paths are only used to *find* things (a RECORD, torch's
+``version.py``, ``nvidia-smi``), and the factor holds what was found, never where.
+
+Collecting must work in a slim init-container without torch, CUDA or any DSL, and must stay
+cheap, so installed packages are described from their metadata (``importlib.metadata`` and file
+reads) and are never imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import blake3
+
+from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError
+
+__all__ = [
+    "DEFAULT_DISTRIBUTIONS",
+    "TUNE_SCOPED",
+    "FactorDiff",
+    "Stamp",
+    "collect",
+    "detect_arch",
+    "detect_gpu_product",
+    "distribution_factor",
+    "explain",
+    "file_digest",
+    "from_json",
+    "record_digest",
+    "source_digest",
+    "to_json",
+    "workload_digest",
+]
+
+DEFAULT_DISTRIBUTIONS: tuple[str, ...] = (
+    "torch",
+    "triton",
+    "flashinfer-python",
+    "flashinfer-cubin",
+    "flashinfer-jit-cache",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-base",
+    "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu12",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "apache-tvm-ffi",
+    "cuda-python",
+    "cuda-bindings",
+    "vllm",
+    "sglang",
+    "deep-gemm",
+)
+
+# Autotune results are valid for one GPU product; compiled kernels for every product of an arch.
+TUNE_SCOPED: frozenset[str] = frozenset({"gpu_product"})
+
+# Bumping this deliberately invalidates every stamp digest (a change in how factors are read).
+_SCHEME = "kernelcache.stamp/1"
+
+_CUDA_RUNTIME_DISTRIBUTIONS = (
+    "nvidia-cuda-runtime-cu12",
+    "nvidia-cuda-runtime-cu13",
+    "nvidia-cuda-runtime",
+)
+_TORCH_CUDA_LINE = re.compile(r"^cuda\s*(?::[^=\n]*)?=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
+_ARCH_FORMAT = re.compile(r"^sm_[0-9]{2,3}[af]?$")
+_COMPUTE_CAP = re.compile(r"^([0-9]+)\.([0-9])$")
+# Files an installer writes into a .dist-info: they describe the install, not the wheel
+# (who installed it, whether it was asked for by name, the URL or local path it came from).
+_INSTALLER_FILES = frozenset({"INSTALLER", "REQUESTED", "direct_url.json"})
+_LONG_HEX = re.compile(r"\b([0-9a-f]{12})[0-9a-f]{4,}\b")
+
+NVIDIA_SMI_TIMEOUT_S = 10.0
+
+
+def _tagged(data: bytes) -> str:
+    return "blake3:" + blake3.blake3(data).hexdigest()
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """Factor name -> canonical string value, kept sorted and read-only."""
+
+    factors: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        items = dict(self.factors)
+        for name, value in items.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"factor name {name!r} is not a non-empty string")
+            if not isinstance(value, str):
+                raise ValueError(f"factor {name}: value {value!r} is not a string")
+        if items.get("gpu_product") == "":
+            raise ValueError("factor gpu_product is empty; omit it instead")
+        object.__setattr__(self, "factors", MappingProxyType(dict(sorted(items.items()))))
+
+    def __reduce__(self) -> tuple[type[Stamp], tuple[dict[str, str]]]:
+        # A mapping proxy does not pickle; warmers hand stamps to worker processes.
+        return (Stamp, (dict(self.factors),))
+
+    def factor_digests(self) -> dict[str, str]:
+        """Name -> digest of (name, value), so a manifest can name the factor that changed."""
+        return {
+            name: _tagged(_canonical_json([name, value])) for name, value in self.factors.items()
+        }
+
+    @property
+    def digest(self) -> str:
+        """The key of the generation: every factor, tuning included."""
+        return _digest_of(self.factor_digests())
+
+    @property
+    def compile_digest(self) -> str:
+        """The key of the compiled kernels, valid across the GPU products of one arch."""
+        digests = self.factor_digests()
+        return _digest_of({n: d for n, d in digests.items() if n not in TUNE_SCOPED})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "compile_digest": self.compile_digest,
+            "factors": dict(self.factors),
+            "factor_digests": self.factor_digests(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Stamp:
+        """Rebuild a stamp; stored digests are recomputed, never trusted."""
+        if not isinstance(d, Mapping):
+            raise ManifestError(f"stamp: expected an object, got {type(d).__name__}")
+        factors = d.get("factors")
+        if not isinstance(factors, Mapping):
+            raise ManifestError("stamp.factors: expected an object of strings")
+        try:
+            stamp = cls(factors)
+        except ValueError as exc:
+            raise ManifestError(f"stamp.factors: {exc}") from None
+        stored = d.get("factor_digests")
+        if not isinstance(stored, Mapping):
+            raise ManifestError("stamp.factor_digests: expected an object of strings")
+        recomputed = stamp.factor_digests()
+        for name in sorted(set(stored) | set(recomputed)):
+            if stored.get(name) != recomputed.get(name):
+                raise ManifestError(
+                    f"stamp.factor_digests[{name}]: stored {stored.get(name)!r} does not match "
+                    f"the factor ({recomputed.get(name) or 'no such factor'})"
+                )
+        for key in ("digest", "compile_digest"):
+            if d.get(key) != getattr(stamp, key):
+                raise ManifestError(
+                    f"stamp.{key}: stored {d.get(key)!r} does not match the factors "
+                    f"({getattr(stamp, key)})"
+                )
+        return stamp
+
+
+def _digest_of(factor_digests: Mapping[str, str]) -> str:
+    return _tagged(_canonical_json([_SCHEME, sorted(factor_digests.items())]))
+
+
+@dataclass(frozen=True)
+class FactorDiff:
+    """One factor that differs; ``None`` means the factor is absent on that side."""
+
+    name: str
+    left: str | None
+    right: str | None
+
+    def describe(self) -> str:
+        return f"{self.name}: {_show(self.left)} != {_show(self.right)}"
+
+
+def _show(value: str | None) -> str:
+    if value is None:
+        return "(no such factor)"
+    return _LONG_HEX.sub(r"\1..", value) if value else '""'
+
+
+def explain(left: Stamp, right: Stamp) -> list[FactorDiff]:
+    """Exactly the factors that were added, removed or changed, sorted by name."""
+    names = sorted(set(left.factors) | set(right.factors))
+    return [
+        FactorDiff(name, left.factors.get(name), right.factors.get(name))
+        for name in names
+        if left.factors.get(name) != right.factors.get(name)
+    ]
+
+
+def to_json(stamp: Stamp) -> str:
+    return json.dumps(stamp.to_dict(), sort_keys=True, indent=2) + "\n"
+
+
+def from_json(text: str) -> Stamp:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"stamp: not valid JSON ({exc})") from None
+    return Stamp.from_dict(data)
+
+
+def collect(
+    *,
+    arch: str | None = None,
+    gpu_product: str | None = None,
+    distributions: Iterable[str] | None = DEFAULT_DISTRIBUTIONS,
+    sources: Mapping[str, str] | None = None,
+    workload: object = None,
+    extra: Mapping[str, str] | None = None,
+) -> Stamp:
+    """The stamp of this environment for a build or a check.
+
+    ``gpu_product`` is detected only when the visible GPUs are of the target arch: a build for
+    another arch says nothing about the product it will be tuned on. ``distributions=None``
+    means the defaults.
+    """
+    target = detect_arch(arch)
+    if gpu_product is None:
+        gpu_product = detect_gpu_product(target)
+    elif not gpu_product:
+        raise SpecError("gpu_product is empty; leave it out to detect it, or name the product")
+    factors = {"arch": target, "cuda_runtime": _cuda_runtime(), "python_abi": _python_abi()}
+    if gpu_product is not None:
+        factors["gpu_product"] = gpu_product
+    for name in DEFAULT_DISTRIBUTIONS if distributions is None else distributions:
+        factors[f"dist/{_canonical_name(name)}"] = distribution_factor(name)
+    for name, digest in (sources or {}).items():
+        factors[f"source/{name}"] = _declared("source", name, digest)
+    if workload is not None:
+        factors["workload"] = workload_digest(workload)
+    for key, value in (extra or {}).items():
+        factors[f"extra/{key}"] = _declared("extra", key, value)
+    return Stamp(factors)
+
+
+def _declared(kind: str, name: str, value: str) -> str:
+    """A caller-declared factor value, refused when it is a host path."""
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{kind} factor name {name!r} is not a non-empty string")
+    if not isinstance(value, str):
+        raise SpecError(f"{kind}/{name}: value {value!r} is not a string")
+    if value.startswith(("/", "~/")):
+        raise SpecError(
+            f"{kind}/{name}: {value!r} is a host path; a key must not depend on where things "
+            "are installed (declare a version or a digest instead)"
+        )
+    return value
+
+
+def detect_arch(explicit: str | None = None) -> str:
+    """The target arch: ``explicit``, else ``CUTE_DSL_ARCH``, else the visible GPUs."""
+    if explicit is not None:
+        return _checked_arch(explicit, "arch")
+    from_env = os.environ.get("CUTE_DSL_ARCH")
+    if from_env:
+        return _checked_arch(from_env, "CUTE_DSL_ARCH")
+    hint = "pass an explicit arch or set CUTE_DSL_ARCH (e.g. sm_90a)"
+    try:
+        gpus = _visible_gpus()
+    except NoGpuInfoError as exc:
+        raise NoGpuInfoError(f"cannot determine the target arch: {exc.message}; {hint}") from None
+    archs = sorted({gpu_arch for _, gpu_arch in gpus})
+    if len(archs) > 1:
+        raise NoGpuInfoError(f"visible GPUs have different archs ({', '.join(archs)}); {hint}")
+    return archs[0]
+
+
+def _checked_arch(value: str, source: str) -> str:
+    if not _ARCH_FORMAT.match(value):
+        raise NoGpuInfoError(
+            f"{source} {value!r} is not an arch like sm_90a, sm_100a or sm_86 "
+            "(expected sm_<2-3 digits> with an optional a/f suffix)"
+        )
+    return value
+
+
+def detect_gpu_product(arch: str | None = None) -> str | None:
+    """The product name of the visible GPUs, or None when unknown or not of ``arch``."""
+    try:
+        gpus = _visible_gpus()
+    except NoGpuInfoError:
+        return None
+    if arch is not None and any(gpu_arch != arch for _, gpu_arch in gpus):
+        return None
+    # Mixed products of one arch: a name no single product matches, so tuning never HITs.
+    return "+".join(sorted({name for name, _ in gpus if name})) or None
+
+
+def _visible_gpus() -> list[tuple[str, str]]:
+    """(product name, arch) per GPU that nvidia-smi lists; NoGpuInfoError says why none."""
+    gpus = []
+    for row in _nvidia_smi("name,compute_cap"):
+        name, _, cap = row.rpartition(",")
+        gpus.append((name.strip(), _arch_from_compute_cap(cap.strip())))
+    return gpus
+
+
+def _arch_from_compute_cap(cap: str) -> str:
+    """9.0 -> sm_90a: from Hopper on, arch-specific features need the "a" target."""
+    match = _COMPUTE_CAP.match(cap)
+    if match is None:
+        raise NoGpuInfoError(f"nvidia-smi reported compute capability {cap!r}, not like 9.0")
+    major, minor = int(match[1]), int(match[2])
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def _nvidia_smi(query: str) -> list[str]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        raise NoGpuInfoError("nvidia-smi is not on PATH")
+    try:
+        proc = subprocess.run(
+            [exe, f"--query-gpu={query}", "--format=csv,noheader"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise NoGpuInfoError(f"nvidia-smi did not answer in {NVIDIA_SMI_TIMEOUT_S:g}s") from None
+    except OSError as exc:
+        raise NoGpuInfoError(f"nvidia-smi could not be run ({exc.strerror})") from None
+    if proc.returncode != 0:
+        said = (proc.stdout + proc.stderr).strip().splitlines()
+        reason = said[0].strip() if said else f"exit status {proc.returncode}"
+        raise NoGpuInfoError(f"nvidia-smi failed: {reason}")
+    rows = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    if not rows:
+        raise NoGpuInfoError("nvidia-smi lists no GPU")
+    return rows
+
+
+def _canonical_name(name: str) -> str:
+    """PEP 503 name, so ``flashinfer_python`` and ``flashinfer-python`` are one factor."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distribution_factor(name: str) -> str:
+    """``absent``, or ``<version> record=<hex>``: the same version rebuilt is another wheel."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+    return f"{dist.version} record={record_digest(dist)}"
+
+
+def record_digest(dist: importlib.metadata.Distribution) -> str:
+    """Hex digest of the wheel's files as RECORD lists them, or ``missing``.
+
+    Only rows that come from the wheel's bytes count, so a re-install of the same wheel gives
+    the same digest on any host: rows without a hash (bytecode, RECORD itself), bytecode caches,
+    files the installer writes about the install, and files outside site-packages (console
+    scripts carry the interpreter path in their shebang) are dropped.
+    """
+    text = dist.read_text("RECORD")
+    if text is None:
+        return "missing"
+    rows = []
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) < 2 or not row[1]:
+            continue
+        path, file_hash, size = row[0], row[1], (row[2] if len(row) > 2 else "")
+        parts = path.split("/")
+        if parts[0] in ("..", "") or "__pycache__" in parts:
+            continue
+        if len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] in _INSTALLER_FILES:
+            continue
+        rows.append(f"{path},{file_hash},{size}\n")
+    return blake3.blake3("".join(sorted(rows)).encode()).hexdigest()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """``blake3:<hex>`` of a file's bytes."""
+    return "blake3:" + blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+
+
+def source_digest(module_name: str) -> str:
+    """Digest of the file a module would be loaded from, found without executing anything."""
+    try:
+        spec = _find_spec_without_import(module_name)
+    except (ImportError, ValueError) as exc:
+        raise SpecError(f"source/{module_name}: cannot be located ({exc})") from None
+    if spec is None or not spec.has_location or spec.origin is None:
+        raise SpecError(f"source/{module_name}: no source file found for this module")
+    return file_digest(spec.origin)
+
+
+def _find_spec_without_import(module_name: str) -> ModuleSpec | None:
+    # importlib.util.find_spec("a.b") imports (runs) package "a"; walk the parents by hand.
+    parts = module_name.split(".")
+    spec = importlib.util.find_spec(parts[0])
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(
+            ".".join(parts[:depth]), spec.submodule_search_locations
+        )
+    return spec
+
+
+def workload_digest(obj: object) -> str:
+    """Digest of canonical JSON (sorted keys, no whitespace) of a JSON-able workload."""
+    try:
+        data = _canonical_json(obj)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"workload is not plain JSON ({exc})") from None
+    return _tagged(data)
+
+
+def _python_abi() -> str:
+    soabi = sysconfig.get_config_var("SOABI")
+    if soabi:
+        return str(soabi)
+    multiarch = sysconfig.get_config_var("MULTIARCH") or platform.machine()
+    return f"{sys.implementation.name}-{sys.version_info[0]}{sys.version_info[1]}-{multiarch}"
+
+
+def _cuda_runtime() -> str:
+    """The CUDA runtime wheel's version, else the CUDA torch was built against, else none."""
+    for name in _CUDA_RUNTIME_DISTRIBUTIONS:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    torch_cuda = _torch_cuda_version()
+    return f"torch {torch_cuda}" if torch_cuda else "none"
+
+
+def _torch_cuda_version() -> str | None:
+    """The ``cuda = '...'`` line of torch's version.py, read as text: torch is not imported."""
+    try:
+        dist = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.as_posix() == "torch/version.py":
+            try:
+                text = Path(str(dist.locate_file(file))).read_text(encoding="utf-8")
+            except OSError:
+                return None
+            match = _TORCH_CUDA_LINE.search(text)
+            return match[1] if match else None
+    return None
