@@ -110,9 +110,11 @@ def main() -> int:
         cold = run_phase("cold", Path(tmp), args.arch, args.gpu)
         warm = run_phase("warm", Path(tmp), args.arch, args.gpu)
     assert warm["misses"] == 0, "the warm process compiled"
-    print(f"machine: {platform.node() and platform.machine()} {os.cpu_count()} cpus, arch {args.arch}")
+    print(
+        f"machine: {platform.node() and platform.machine()} {os.cpu_count()} cpus, arch {args.arch}"
+    )
     print(f"{'kernel':44} {'compile s':>10} {'load s':>10} {'ratio':>8}")
-    for c, w in zip(cold["rows"], warm["rows"]):
+    for c, w in zip(cold["rows"], warm["rows"], strict=True):
         print(
             f"{c['kernel']:44} {c['seconds']:10.4f} {w['seconds']:10.4f} "
             f"{c['seconds'] / w['seconds']:7.0f}x"

@@ -38,7 +38,9 @@ def add_kernel(g_a: cute.Tensor, g_b: cute.Tensor, g_c: cute.Tensor):
 @cute.jit
 def add(m_a: cute.Tensor, m_b: cute.Tensor, m_c: cute.Tensor):
     m, n = m_a.shape
-    add_kernel(m_a, m_b, m_c).launch(grid=((m * n + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1))
+    add_kernel(m_a, m_b, m_c).launch(
+        grid=((m * n + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1)
+    )
 
 
 @cute.kernel
@@ -100,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     from kernelcache.runtime import cute as cute_cache
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--workload", default='{"sizes": [[128, 256], [1024, 1024]], '
-                        '"dtypes": ["float32", "float16"], "tiles": [[32, 32], [64, 64]]}',
-                        help="workload JSON (the spec's warmer workload)")
+    parser.add_argument(
+        "--workload",
+        default='{"sizes": [[128, 256], [1024, 1024]], '
+        '"dtypes": ["float32", "float16"], "tiles": [[32, 32], [64, 64]]}',
+        help="workload JSON (the spec's warmer workload)",
+    )
     args = parser.parse_args(argv)
     cute_cache.install()
     cache = cute_cache.default_cache()

@@ -47,7 +47,9 @@ class ArchResult:
     message: str = ""
 
     @classmethod
-    def from_manifest(cls, arch: str, status: str, manifest: Manifest, seconds: float) -> ArchResult:
+    def from_manifest(
+        cls, arch: str, status: str, manifest: Manifest, seconds: float
+    ) -> ArchResult:
         compiled = sum(w.get("compiled", 0) for w in manifest.report.get("warmers", []))
         return cls(
             arch=arch,
@@ -95,7 +97,9 @@ def warm_arch(
     with store.writer(key) as writer:
         current = writer.current_manifest()
         if current is not None and current.stamp.get("digest") == stamp.digest and not force:
-            return ArchResult.from_manifest(arch, "up-to-date", current, time.perf_counter() - start)
+            return ArchResult.from_manifest(
+                arch, "up-to-date", current, time.perf_counter() - start
+            )
         files_dir = writer.staging()
         report = run_warmers(warmers, files_dir, arch)
         manifest = writer.publish(

@@ -241,10 +241,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_column(column)
     for row in rows:
         table.add_row(
-            row["key"],
-            row["generation"],
+            str(row["key"]),
+            str(row["generation"]),
             "*" if row["current"] else "",
-            row["created"],
+            str(row["created"]),
             str(row["files"]),
             f"{row['bytes']:,}",
             str(row["stamp"])[:23],
@@ -260,7 +260,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store = Store(args.store)
     for key in [args.key] if args.key else store.keys():
         removed = store.gc(key, keep=args.keep)
-        print(f"{key}: removed {len(removed)} generation(s){': ' if removed else ''}{' '.join(removed)}")
+        print(
+            f"{key}: removed {len(removed)} generation(s)" + "".join(f" {r}" for r in removed)
+        )
     return 0
 
 
@@ -314,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify, "verify the current generation (the init-container's check)")
     store_arg(p)
     p.add_argument("--key", help="NAMESPACE/NAME/ARCH")
-    p.add_argument("-f", "--file", type=Path, help="KernelCache YAML (with --arch, instead of --key)")
+    p.add_argument(
+        "-f", "--file", type=Path, help="KernelCache YAML (with --arch, instead of --key)"
+    )
     p.add_argument("--arch", help="SM arch, with -f")
     p.add_argument("--public-key", type=Path, help="ed25519 public key: the signature must verify")
     p.add_argument("--require-signature", action="store_true", help="refuse unsigned manifests")

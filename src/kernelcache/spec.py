@@ -218,8 +218,9 @@ class Verification(BaseModel):
     policy: Literal["strict", "permissive"] = Field(
         default="strict",
         description=(
-            "Autotune results stamped for another GPU product: strict refuses the pod, permissive "
-            "drops them with a warning and a metric. Integrity and signature failures always refuse."
+            "Autotune results stamped for another GPU product: strict refuses the pod, "
+            "permissive drops them with a warning and a metric. Integrity and signature "
+            "failures always refuse."
         ),
     )
     signing: Signing = Signing()

@@ -79,7 +79,9 @@ def _dsl_stack() -> dict[str, str]:
         {
             d.metadata["Name"].lower()
             for d in distributions()
-            if (d.metadata["Name"] or "").lower().startswith(("nvidia-cutlass-dsl", "apache-tvm-ffi"))
+            if (d.metadata["Name"] or "")
+            .lower()
+            .startswith(("nvidia-cutlass-dsl", "apache-tvm-ffi"))
         }
     )
     return {name: distribution_factor(name) for name in names}
@@ -270,7 +272,7 @@ class CuteDiskCache:
         return compiled
 
     def _persist(self, key: str, factors: dict, compiled: Any) -> None:
-        """Export atomically; a failure to persist costs the next process a compile, nothing more."""
+        """Export atomically; failing to persist costs the next process a compile, no more."""
         obj_path, meta_path = self._paths(key)
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         prefix = f"kc_{key[:24]}"
@@ -292,7 +294,7 @@ _original_compile: Callable[..., Any] | None = None
 
 
 def default_cache() -> CuteDiskCache:
-    """The process-wide cache at ``$KERNELCACHE_CUTE_DSL_DIR`` (strict with ``KERNELCACHE_STRICT=1``)."""
+    """The process-wide cache at ``$KERNELCACHE_CUTE_DSL_DIR``; ``KERNELCACHE_STRICT=1`` refuses misses."""
     global _default
     root = Path(
         os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kernelcache" / "cute-dsl"
@@ -302,7 +304,7 @@ def default_cache() -> CuteDiskCache:
     return _default
 
 
-def compile(fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - mirrors cute.compile
+def compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Drop-in for ``cute.compile`` backed by the process-wide disk cache."""
     return default_cache().compile(fn, *args, **kwargs)
 
@@ -333,7 +335,7 @@ def install() -> None:
 
     if _original_compile is None:
         _original_compile = cute.compile
-        cute.compile = _PatchedCompile()
+        setattr(cute, "compile", _PatchedCompile())  # noqa: B010 - a module attribute swap
 
 
 def uninstall() -> None:
@@ -341,7 +343,7 @@ def uninstall() -> None:
     if _original_compile is not None:
         import cutlass.cute as cute
 
-        cute.compile = _original_compile
+        setattr(cute, "compile", _original_compile)  # noqa: B010
         _original_compile = None
 
 

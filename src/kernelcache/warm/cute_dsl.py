@@ -33,7 +33,7 @@ def resolve_entry_point(entry_point: str, spec_dir: Path | None) -> Callable[...
         raise WarmError(f"entry point {entry_point}: cannot import: {exc}") from exc
     if not callable(target):
         raise WarmError(f"entry point {entry_point}: not callable")
-    return target  # type: ignore[no-any-return]
+    return target
 
 
 class CuteDslWarmer(Warmer):
