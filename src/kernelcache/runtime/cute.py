@@ -294,7 +294,7 @@ _original_compile: Callable[..., Any] | None = None
 
 
 def default_cache() -> CuteDiskCache:
-    """The process-wide cache at ``$KERNELCACHE_CUTE_DSL_DIR`` (``KERNELCACHE_STRICT=1``: no misses)."""
+    """The process-wide cache at ``$KERNELCACHE_CUTE_DSL_DIR`` (``KERNELCACHE_STRICT=1``)."""
     global _default
     root = Path(
         os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kernelcache" / "cute-dsl"
