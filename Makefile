@@ -25,8 +25,8 @@ demo: $(VENV)/.installed
 	PYTHONPATH=examples $(VENV)/bin/kernelcache verify --store $(STORE) -f $(SPEC) --arch sm_90a \
 		--check-env --materialize $(SERVE_DIR)
 	CUTE_DSL_ARCH=sm_90a KERNELCACHE_STRICT=1 \
-		KERNELCACHE_CUTE_DSL_DIR=$$(ls -d $(SERVE_DIR)/*/)cute-dsl \
-		$(PY) examples/demo_kernels.py
+		KERNELCACHE_CUTE_DSL_DIR=$$(ls -d $(SERVE_DIR)/*/)files/cute-dsl \
+		$(PY) examples/demo_serve.py
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
 test: $(VENV)/.installed

@@ -5,15 +5,11 @@ and a tiled scale whose tile shape is a compile-time constant (one per shape, dt
 ``warm(workload)`` is the entry point named in ``examples/kernelcache.yaml``; it calls plain
 ``cute.compile``, which the cute-dsl warmer routes through kernelcache's disk layer.
 
-Run as a script it plays the serving process: it compiles every specialization through the
-disk cache at ``$KERNELCACHE_CUTE_DSL_DIR`` and reports how many came from the cache.
+``demo_serve.py`` plays the serving process that loads them.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -93,34 +89,3 @@ def warm(workload: Mapping[str, Any]) -> list[str]:
         cute.compile(fn, *args)
         names.append(name)
     return names
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Play the serving process: get every kernel through the disk cache and count compiles."""
-    import json
-
-    from kernelcache.runtime import cute as cute_cache
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument(
-        "--workload",
-        default='{"sizes": [[128, 256], [1024, 1024]], '
-        '"dtypes": ["float32", "float16"], "tiles": [[32, 32], [64, 64]]}',
-        help="workload JSON (the spec's warmer workload)",
-    )
-    args = parser.parse_args(argv)
-    cute_cache.install()
-    cache = cute_cache.default_cache()
-    start = time.perf_counter()
-    names = warm(json.loads(args.workload))
-    seconds = time.perf_counter() - start
-    stats = cache.stats
-    print(
-        f"{len(names)} kernels ready in {seconds:.3f} s from {cache.root}: "
-        f"{stats.hits} loaded from cache, {stats.misses} compiled, {stats.bypassed} uncacheable"
-    )
-    return 0 if stats.misses == 0 and stats.bypassed == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

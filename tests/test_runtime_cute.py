@@ -20,7 +20,8 @@ WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float32", "float16"], "tiles": [[
 KERNELS = 6  # per dtype: one add and two tiled scales
 
 
-def serve(cache: Path, arch: str = "sm_90a", script: Path = EXAMPLES / "demo_kernels.py", **env):
+def serve(cache: Path, arch: str = "sm_90a", script: Path = EXAMPLES / "demo_serve.py", **env):
+    # the script's folder comes first on sys.path, so it imports the demo_kernels beside it
     """Run the example as a fresh serving process; returns (hits, compiled, stdout)."""
     proc = subprocess.run(
         [sys.executable, str(script), "--workload", json.dumps(WORKLOAD)],
@@ -50,11 +51,13 @@ def test_second_process_loads_every_kernel_with_zero_compiles(tmp_path):
 def test_changed_kernel_source_misses(tmp_path):
     module_dir = tmp_path / "src"
     module_dir.mkdir()
-    script = module_dir / "demo_kernels.py"
-    shutil.copy(EXAMPLES / "demo_kernels.py", script)
+    script = module_dir / "demo_serve.py"
+    kernels = module_dir / "demo_kernels.py"
+    shutil.copy(EXAMPLES / "demo_serve.py", script)
+    shutil.copy(EXAMPLES / "demo_kernels.py", kernels)
     cache = tmp_path / "cache"
     assert serve(cache, script=script)[:2] == (0, KERNELS)
-    script.write_text(script.read_text() + "\n# an edit anywhere in the module is a new key\n")
+    kernels.write_text(kernels.read_text() + "\n# an edit anywhere in the module is a new key\n")
     assert serve(cache, script=script)[:2] == (0, KERNELS)
     assert len(list(cache.glob("*.o"))) == 2 * KERNELS
 
@@ -86,7 +89,7 @@ def test_other_arch_lives_beside_the_first(tmp_path):
 def test_concurrent_processes_share_one_directory(tmp_path):
     procs = [
         subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "demo_kernels.py"), "--workload", json.dumps(WORKLOAD)],
+            [sys.executable, str(EXAMPLES / "demo_serve.py"), "--workload", json.dumps(WORKLOAD)],
             env=subprocess_env(KERNELCACHE_CUTE_DSL_DIR=str(tmp_path)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -164,34 +164,38 @@ def write_result(path: Path, result: ArchResult) -> None:
     path.write_text(json.dumps(asdict(result)))
 
 
-def check_environment(manifest: Manifest, arch: str | None = None) -> None:
-    """Refuse a generation whose environment factors differ from this process's environment.
+def environment_stamp(recorded: stamps.Stamp, arch: str | None = None) -> stamps.Stamp:
+    """This environment's stamp for comparison with ``recorded``.
 
-    Recomputes the factors an environment decides (arch, Python ABI, CUDA runtime, every
-    recorded distribution, declared kernel sources) and compares them with the manifest's;
-    the first differing factor is named. Declared workload is the build's input, not the
-    environment's, so it is not re-derived here.
+    Recomputes what an environment decides (arch, Python ABI, CUDA runtime, every recorded
+    distribution, the declared kernel sources as importable here) and carries over what the
+    build declared (workload, model, engine image) and the GPU product, which scopes only
+    tuning results and is checked against the node separately.
     """
-    recorded = stamps.Stamp.from_dict(manifest.stamp)
-    dists = [n.removeprefix("dist/") for n in recorded.factors if n.startswith("dist/")]
+    factors = recorded.factors
     sources = {}
-    for name in recorded.factors:
+    for name in factors:
         if name.startswith("source/"):
             module = name.removeprefix("source/")
             try:
                 sources[module] = stamps.source_digest(module)
-            except Exception:
+            except Exception:  # not importable here: the factor reads as absent
                 sources[module] = "absent"
     here = stamps.collect(
-        arch=arch or recorded.factors.get("arch"),
-        distributions=dists,
+        arch=arch or factors.get("arch"),
+        distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
         sources=sources,
+        extra={n.removeprefix("extra/"): v for n, v in factors.items() if n.startswith("extra/")},
     )
-    diffs = [
-        d
-        for d in stamps.explain(recorded, here)
-        if d.name not in ("workload", "gpu_product") and not d.name.startswith("extra/")
-    ]
+    measured = {n: v for n, v in here.factors.items() if n not in stamps.TUNE_SCOPED}
+    declared = {n: v for n, v in factors.items() if n == "workload" or n in stamps.TUNE_SCOPED}
+    return stamps.Stamp({**measured, **declared})
+
+
+def check_environment(manifest: Manifest, arch: str | None = None) -> None:
+    """Refuse a generation whose stamp differs from this environment, naming the factor."""
+    recorded = stamps.Stamp.from_dict(manifest.stamp)
+    diffs = stamps.explain(recorded, environment_stamp(recorded, arch))
     if diffs:
         more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
         raise StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")

@@ -173,15 +173,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stamp_of(ref: str, other: Any = None) -> Any:
-    """A stamp from a manifest file, a generation dir, or ``env`` (this environment)."""
+def _stamp_of(ref: str) -> Any:
+    """The stamp of a manifest file or a generation dir."""
     from kernelcache import stamp as stamps
     from kernelcache.store import Manifest
 
-    if ref == "env":
-        factors = other.factors if other is not None else {}
-        dists = [n.removeprefix("dist/") for n in factors if n.startswith("dist/")]
-        return stamps.collect(arch=factors.get("arch"), distributions=dists or None)
     path = Path(ref)
     if path.is_dir():
         path = path / "MANIFEST.json"
@@ -193,13 +189,19 @@ def _stamp_of(ref: str, other: Any = None) -> Any:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Name the factors that differ between two stamps (exit 4 when any differ)."""
-    from kernelcache import stamp as stamps
+    """Name the factors that differ between two stamps (exit 4 when any differ).
 
-    left = _stamp_of(args.left) if args.left != "env" else None
-    right = _stamp_of(args.right, left)
-    if left is None:
-        left = _stamp_of("env", right)
+    Either side may be ``env``: this environment's stamp, recomputed against the other side.
+    """
+    from kernelcache import stamp as stamps
+    from kernelcache.build import environment_stamp
+
+    if args.left == "env" and args.right == "env":
+        raise SpecError("explain: at most one side can be 'env'")
+    left = None if args.left == "env" else _stamp_of(args.left)
+    right = None if args.right == "env" else _stamp_of(args.right)
+    left = left or environment_stamp(right)
+    right = right or environment_stamp(left)
     diffs = stamps.explain(left, right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")

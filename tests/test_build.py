@@ -1,0 +1,240 @@
+"""The local pipeline through the real CLI: build → verify → explain → inspect → gc.
+
+Every run is a real ``kernelcache`` process with real CuTe-DSL compiles (CPU-only, any arch).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kernelcache.errors import ExitCode
+from kernelcache.store import Store, verify
+from tests.conftest import EXAMPLES, needs_cute, subprocess_env
+
+pytestmark = needs_cute
+
+SMALL_WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float16"], "tiles": [[32, 32]]}
+
+
+def kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", *args],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def write_spec(tmp_path: Path, **changes) -> Path:
+    """The example spec with a small workload, next to a copy of the example kernels."""
+    doc = yaml.safe_load((EXAMPLES / "kernelcache.yaml").read_text())
+    doc["spec"]["warmers"][0]["workload"] = SMALL_WORKLOAD
+    for path, value in changes.items():
+        target = doc["spec"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            target = target[int(p)] if p.isdigit() else target[p]
+        target[leaf] = value
+    spec = tmp_path / "kc.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    for example in ("demo_kernels.py", "demo_serve.py"):
+        if not (tmp_path / example).exists():
+            (tmp_path / example).write_text((EXAMPLES / example).read_text())
+    return spec
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_build_publishes_every_arch_and_verifies(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    proc = kernelcache("build", "-f", str(spec), "--store", str(store))
+    assert proc.returncode == 0, proc.stderr
+    assert "sm_90a" in proc.stdout and "sm_120a" in proc.stdout and "published" in proc.stdout
+    assert sorted(Store(store).keys()) == ["default/demo/sm_120a", "default/demo/sm_90a"]
+    for arch in ("sm_90a", "sm_120a"):
+        manifest = Store(store).current_manifest(f"default/demo/{arch}")
+        assert manifest is not None and manifest.stamp["factors"]["arch"] == arch
+        assert {w["compiled"] for w in manifest.report["warmers"]} == {2}
+        assert all(f.path.startswith("cute-dsl/") for f in manifest.files)
+        ok = kernelcache(
+            "verify", "--store", str(store), "--key", f"default/demo/{arch}", "--check-env",
+            PYTHONPATH=f"{tmp_path}:{subprocess_env()['PYTHONPATH']}",
+        )  # fmt: skip
+        assert ok.returncode == 0, ok.stderr
+        assert "verified" in ok.stdout
+
+
+def test_rebuild_with_the_same_stamp_is_up_to_date_and_a_change_is_a_new_generation(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    key = "default/demo/sm_90a"
+    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    first = Store(store).current_manifest(key)
+    again = kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+    assert again.returncode == 0 and "up-to-date" in again.stdout
+    assert Store(store).current_manifest(key).generation == first.generation
+
+    changed = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "tiles": [[64, 64]]}})
+    assert kernelcache("build", "-f", str(changed), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    second = Store(store).current_manifest(key)
+    assert second.generation != first.generation
+    assert [m.generation for m in Store(store).generations(key)] == [first.generation, second.generation]
+
+    explained = kernelcache(
+        "explain",
+        str(Store(store).key_dir(key) / first.generation),
+        str(Store(store).key_dir(key) / second.generation),
+    )
+    assert explained.returncode == ExitCode.STAMP_MISMATCH
+    assert explained.stdout.splitlines()[0].startswith("workload:")
+
+    # retention: generations=2 keeps two after a third build
+    third = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "dtypes": ["float32"]}})
+    assert kernelcache("build", "-f", str(third), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    ids = [m.generation for m in Store(store).generations(key)]
+    assert len(ids) == 2 and first.generation not in ids
+
+
+def test_verify_names_a_flipped_byte_and_a_missing_generation(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_120a").returncode == 0
+    gen = Store(store).current("default/demo/sm_120a")
+    victim = sorted((gen / "files" / "cute-dsl").glob("*.o"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    proc = kernelcache("verify", "--store", str(store), "-f", str(spec), "--arch", "sm_120a")
+    assert proc.returncode == ExitCode.INTEGRITY
+    assert victim.name in one_line_error(proc)
+
+    missing = kernelcache("verify", "--store", str(store), "-f", str(spec), "--arch", "sm_90a")
+    assert missing.returncode == ExitCode.MISSING_GENERATION
+    assert "default/demo/sm_90a" in one_line_error(missing)
+
+
+def test_check_env_names_the_changed_kernel_source(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    (tmp_path / "demo_kernels.py").write_text((tmp_path / "demo_kernels.py").read_text() + "\n#\n")
+    proc = kernelcache(
+        "verify", "--store", str(store), "--key", "default/demo/sm_90a", "--check-env",
+        PYTHONPATH=f"{tmp_path}:{subprocess_env()['PYTHONPATH']}",
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.STAMP_MISMATCH
+    assert "source/demo_kernels" in one_line_error(proc)
+
+
+def test_materialized_generation_serves_a_fresh_process_with_zero_compiles(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    target = tmp_path / "serve"
+    target.mkdir()
+    proc = kernelcache(
+        "verify", "--store", str(store), "--key", "default/demo/sm_90a", "--materialize", str(target)
+    )
+    assert proc.returncode == 0, proc.stderr
+    (generation,) = [p for p in target.iterdir() if p.is_dir()]
+    served = subprocess.run(
+        [sys.executable, str(tmp_path / "demo_serve.py"), "--workload", json.dumps(SMALL_WORKLOAD)],
+        env=subprocess_env(
+            KERNELCACHE_CUTE_DSL_DIR=str(generation / "files" / "cute-dsl"), KERNELCACHE_STRICT="1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert served.returncode == 0, served.stdout + served.stderr
+    assert "2 loaded from cache, 0 compiled" in served.stdout
+
+
+def test_two_builders_of_one_key_publish_one_generation(tmp_path):
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    results = []
+
+    def run() -> None:
+        results.append(kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a"))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    assert sorted(r.stdout.split(":")[1].split()[0] for r in results) == ["published", "up-to-date"]
+    key = "default/demo/sm_90a"
+    assert len(Store(store).generations(key)) == 1
+    assert verify(Store(store).current(key)).ok
+
+
+def test_a_failing_entry_point_is_one_line_and_exit_code(tmp_path):
+    spec = write_spec(tmp_path, **{"warmers.0.entryPoints": ["demo_kernels:no_such_function"]})
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.WARM_FAILED
+    assert "demo_kernels:no_such_function" in one_line_error(proc)
+    assert not Store(tmp_path / "s").keys() or Store(tmp_path / "s").current("default/demo/sm_90a") is None
+
+
+def test_a_declared_warmer_that_produced_nothing_fails(tmp_path):
+    spec = write_spec(tmp_path, **{"warmers.0.workload": {"sizes": [], "dtypes": []}})
+    proc = kernelcache("build", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.WARM_FAILED
+    assert "produced nothing" in proc.stderr
+
+
+def test_command_warmer_reports_what_each_cache_dir_received(tmp_path):
+    script = "import os, pathlib; pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_bytes(b'x' * 10)"
+    spec = write_spec(
+        tmp_path, warmers=[{"type": "command", "command": [sys.executable, "-c", script]}]
+    )
+    store = tmp_path / "store"
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    manifest = Store(store).current_manifest("default/demo/sm_90a")
+    assert [f.path for f in manifest.files] == ["triton/k.bin"]
+    assert manifest.report["warmers"][0]["dirs"] == {"triton": {"files": 1, "bytes": 10}}
+
+    empty = write_spec(tmp_path, warmers=[{"type": "command", "command": [sys.executable, "-c", "pass"]}])
+    proc = kernelcache("warm", "-f", str(empty), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.WARM_FAILED
+    assert "produced nothing" in one_line_error(proc)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["build", "-f", "nope.yaml", "--store", "s"], ExitCode.USAGE, "nope.yaml"),
+        (["verify", "--store", "s"], ExitCode.USAGE, "--key"),
+        (["verify", "--store", "s", "--key", "default/demo/sm_90a"], ExitCode.MISSING_GENERATION, "default/demo/sm_90a"),
+    ],
+)
+def test_bad_invocations_are_one_line(tmp_path, args, code, needle):
+    proc = kernelcache(*args, cwd=tmp_path)
+    assert proc.returncode == code
+    assert needle in one_line_error(proc)
+
+
+def test_unknown_arch_is_refused_naming_the_declared_ones(tmp_path):
+    spec = write_spec(tmp_path)
+    proc = kernelcache("build", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_100a")
+    assert proc.returncode == ExitCode.USAGE
+    assert "sm_100a" in one_line_error(proc) and "sm_90a" in proc.stderr
+
+
+def test_help_lists_the_exit_codes():
+    proc = kernelcache("verify", "--help")
+    assert proc.returncode == 0
+    for code in ExitCode:
+        assert f"{int(code):>2}  " in proc.stdout

@@ -1,0 +1,652 @@
+"""kernelcache.store: publish, content addressing, gc, signing, manifest parsing, verify and
+materialize. Fault injection (kill -9, full disk, racing writers) is in test_store_faults.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from kernelcache.errors import (
+    ExitCode,
+    IntegrityError,
+    ManifestError,
+    SignatureError,
+    SpecError,
+    StorageError,
+    UnsafePathError,
+)
+from kernelcache.store import (
+    COMPLETE_MARKER,
+    CURRENT_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    FileEntry,
+    Manifest,
+    Store,
+    digest_file,
+    digest_tree,
+    generate_keypair,
+    generation_id,
+    load_private_key,
+    load_public_key,
+    materialize,
+    verify,
+)
+
+KEY = "team/llama-70b/sm_90a"
+
+
+def stamp(label: str = "one") -> dict[str, object]:
+    factors = {"torch": "2.5.1", "cuda": "12.4", "triton": "3.1.0"}
+    return {
+        "digest": f"blake3:stamp-{label}",
+        "compile_digest": f"blake3:compile-{label}",
+        "factors": factors,
+        "factor_digests": {name: f"blake3:{value}" for name, value in factors.items()},
+    }
+
+
+def random_files(seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {
+        "triton/abc/kernel.cubin": rng.randbytes(3000),
+        "triton/abc/kernel.json": rng.randbytes(400),
+        "cute/def/gemm.o": rng.randbytes(70_000),
+        "cute/empty.bin": b"",
+        "flashinfer/big.so": rng.randbytes(1_200_000),
+    }
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def publish(store: Store, files: dict[str, bytes], label: str = "one", **kwargs) -> Manifest:
+    with store.writer(KEY) as writer:
+        staging = writer.staging()
+        write_tree(staging, files)
+        return writer.publish(staging, stamp(label), {"compiled": len(files)}, **kwargs)
+
+
+def transient(key_dir: Path) -> list[str]:
+    return [n for n in os.listdir(key_dir) if n.startswith((".staging-", ".trash-", ".CURRENT."))]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "store")
+
+
+# --------------------------------------------------------------------------- publish
+
+
+def test_publish_then_current_verifies(store: Store) -> None:
+    files = random_files(1)
+    assert store.current(KEY) is None
+    assert store.current_manifest(KEY) is None
+
+    manifest = publish(store, files)
+
+    gen_dir = store.current(KEY)
+    assert gen_dir == store.key_dir(KEY) / manifest.generation
+    assert (store.key_dir(KEY) / CURRENT_NAME).read_text() == manifest.generation + "\n"
+    assert store.current_manifest(KEY) == manifest
+    assert store.keys() == [KEY]
+    assert manifest.format == MANIFEST_FORMAT
+    assert manifest.key == KEY
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", manifest.created)
+    assert manifest.total_bytes == sum(len(d) for d in files.values())
+    assert [e.path for e in manifest.files] == sorted(files)
+
+    result = verify(gen_dir)
+    assert result.ok, result.problems
+    assert result.manifest == manifest
+    assert result.bytes_checked == manifest.total_bytes
+    assert (gen_dir / MANIFEST_NAME).read_bytes() == manifest.to_bytes()
+    for rel, data in files.items():
+        assert (gen_dir / "files" / rel).read_bytes() == data
+    assert transient(store.key_dir(KEY)) == []
+
+
+def test_manifest_bytes_are_canonical(store: Store) -> None:
+    manifest = publish(store, random_files(1))
+    data = manifest.to_bytes()
+    assert data.endswith(b"}\n")
+    assert data == (json.dumps(json.loads(data), sort_keys=True, indent=1) + "\n").encode()
+    assert Manifest.parse(data, "m").to_bytes() == data
+
+
+def test_identical_content_is_one_generation(store: Store) -> None:
+    first = publish(store, random_files(1))
+    second = publish(store, random_files(1))
+    assert second.generation == first.generation
+    gens = [n for n in os.listdir(store.key_dir(KEY)) if not n.startswith(".") and n != "CURRENT"]
+    assert gens == [first.generation]
+    assert len(store.generations(KEY)) == 1
+    assert verify(store.current(KEY)).ok
+
+
+def test_generation_id_is_content_addressed(tmp_path: Path) -> None:
+    write_tree(tmp_path, random_files(1))
+    entries = digest_tree(tmp_path)
+    gen = generation_id("blake3:s", entries)
+    assert len(gen) >= 16
+    assert gen == generation_id("blake3:s", list(reversed(entries)))
+    assert gen != generation_id("blake3:t", entries)
+    changed = [
+        FileEntry(e.path, e.size, "blake3:" + "0" * 64) if i == 0 else e
+        for i, e in enumerate(entries)
+    ]
+    assert gen != generation_id("blake3:s", changed)
+
+
+def test_publish_from_outside_staging_copies_in(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "built"
+    write_tree(src, random_files(2))
+    with store.writer(KEY) as writer:
+        manifest = writer.publish(src, stamp(), {})
+    assert verify(store.current(KEY)).ok
+    assert manifest.generation == publish(store, random_files(2)).generation
+    assert sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()) == sorted(
+        random_files(2)
+    )
+
+
+def test_republish_replaces_a_generation_that_no_longer_verifies(store: Store) -> None:
+    manifest = publish(store, random_files(1))
+    damaged = store.current(KEY) / "files" / "triton/abc/kernel.cubin"
+    damaged.write_bytes(b"rot" + damaged.read_bytes()[3:])
+    assert not verify(store.current(KEY)).ok
+
+    again = publish(store, random_files(1))
+    assert again.generation == manifest.generation
+    assert verify(store.current(KEY)).ok
+
+
+def test_unpublished_staging_is_removed_when_the_writer_closes(store: Store) -> None:
+    with store.writer(KEY) as writer:
+        staging = writer.staging()
+        (staging / "x").write_bytes(b"x")
+        assert staging.parent.name.startswith(".staging-")
+        assert staging.parent.parent == store.key_dir(KEY)
+    assert not staging.exists()
+    with pytest.raises(RuntimeError):
+        writer.staging()
+
+
+def test_publish_refuses_symlinks(store: Store) -> None:
+    with store.writer(KEY) as writer:
+        staging = writer.staging()
+        (staging / "a").write_bytes(b"a")
+        (staging / "link").symlink_to("a")
+        with pytest.raises(UnsafePathError, match="link: is a symlink"):
+            writer.publish(staging, stamp(), {})
+    assert store.current(KEY) is None
+    assert transient(store.key_dir(KEY)) == []
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "team/model",
+        "team/model/sm_90a/x",
+        "Team/model/sm_90a",
+        "team/../sm_90a",
+        "team/model/..",
+        "/team/model/sm_90a",
+        "team//sm_90a",
+        "team/model/.hidden",
+    ],
+)
+def test_bad_keys_are_refused(store: Store, key: str) -> None:
+    with pytest.raises(SpecError, match="key"):
+        store.key_dir(key)
+
+
+# --------------------------------------------------------------------------- gc
+
+
+def test_publish_keeps_the_newest_generations(store: Store) -> None:
+    ids = [publish(store, random_files(i), label=str(i), keep=2).generation for i in range(4)]
+    assert [m.generation for m in store.generations(KEY)] == ids[-2:]
+
+
+def test_gc_keeps_newest_and_always_current(store: Store) -> None:
+    ids = [publish(store, random_files(i), label=str(i), keep=10).generation for i in range(4)]
+    assert [m.generation for m in store.generations(KEY)] == ids  # oldest → newest
+    (store.key_dir(KEY) / CURRENT_NAME).write_text(ids[0] + "\n")  # a rollback
+
+    assert store.gc(KEY, keep=2) == [ids[1]]
+    assert [m.generation for m in store.generations(KEY)] == [ids[0], ids[2], ids[3]]
+
+    assert sorted(store.gc(KEY, keep=0)) == sorted([ids[2], ids[3]])
+    assert [m.generation for m in store.generations(KEY)] == [ids[0]]
+    assert verify(store.current(KEY)).ok
+    assert transient(store.key_dir(KEY)) == []
+
+
+# --------------------------------------------------------------------------- signing
+
+
+def test_signed_manifest_verifies(store: Store, tmp_path: Path) -> None:
+    priv, pub = generate_keypair(tmp_path / "keys")
+    publish(store, random_files(1), signing_key=priv)
+    gen_dir = store.current(KEY)
+    assert (gen_dir / SIGNATURE_NAME).is_file()
+    assert verify(gen_dir, public_key=pub, require_signature=True).ok
+    assert verify(gen_dir, public_key=load_public_key(pub)).ok
+
+
+def test_tampered_factor_with_old_signature_fails(store: Store, tmp_path: Path) -> None:
+    priv, pub = generate_keypair(tmp_path / "keys")
+    publish(store, random_files(1), signing_key=priv)
+    manifest_path = store.current(KEY) / MANIFEST_NAME
+    data = manifest_path.read_bytes()
+    assert data.count(b'"2.5.1"') == 1
+    manifest_path.write_bytes(data.replace(b'"2.5.1"', b'"2.5.2"'))
+
+    result = verify(store.current(KEY), public_key=pub)
+    assert [p.code for p in result.problems] == [ExitCode.SIGNATURE]
+    assert "does not match" in result.problems[0].message
+    with pytest.raises(SignatureError):
+        result.raise_for_problems()
+
+
+def test_missing_signature_when_required(store: Store, tmp_path: Path) -> None:
+    _, pub = generate_keypair(tmp_path / "keys")
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    assert verify(gen_dir).ok
+    result = verify(gen_dir, public_key=pub, require_signature=True)
+    assert [p.code for p in result.problems] == [ExitCode.SIGNATURE]
+    assert result.problems[0].message.endswith(f"{SIGNATURE_NAME}: missing")
+
+    no_key = verify(gen_dir, require_signature=True)
+    assert [p.code for p in no_key.problems] == [ExitCode.SIGNATURE]
+    assert "no public key" in no_key.problems[0].message
+
+
+def test_signature_from_another_key_fails(store: Store, tmp_path: Path) -> None:
+    priv, _ = generate_keypair(tmp_path / "a")
+    _, other_pub = generate_keypair(tmp_path / "b")
+    publish(store, random_files(1), signing_key=priv)
+    result = verify(store.current(KEY), public_key=other_pub)
+    assert [p.code for p in result.problems] == [ExitCode.SIGNATURE]
+
+
+def test_republish_signs_the_kept_generation(store: Store, tmp_path: Path) -> None:
+    priv, pub = generate_keypair(tmp_path / "keys")
+    publish(store, random_files(1))
+    publish(store, random_files(1), signing_key=priv)
+    assert verify(store.current(KEY), public_key=pub, require_signature=True).ok
+
+
+def test_key_files(tmp_path: Path) -> None:
+    priv, pub = generate_keypair(tmp_path)
+    assert priv.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(StorageError, match="EEXIST"):
+        generate_keypair(tmp_path)  # never overwrites a key
+
+    raw = Ed25519PrivateKey.generate()
+    (tmp_path / "raw.key").write_bytes(raw.private_bytes_raw())
+    (tmp_path / "raw.pub").write_bytes(raw.public_key().public_bytes_raw())
+    message = b"manifest"
+    load_public_key(tmp_path / "raw.pub").verify(
+        load_private_key(tmp_path / "raw.key").sign(message), message
+    )
+    (tmp_path / "bad.pub").write_bytes(b"not a key")
+    for loader, path in [
+        (load_public_key, tmp_path / "bad.pub"),
+        (load_private_key, tmp_path / "missing.key"),
+        (load_private_key, pub),  # a public key where a private one is expected
+    ]:
+        with pytest.raises(SignatureError) as err:
+            loader(path)
+        assert str(path) in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- Manifest.parse
+
+
+def valid_manifest_dict() -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "key": KEY,
+        "generation": "0123456789abcdef0123456789abcdef",
+        "created": "2025-01-02T03:04:05.123456Z",
+        "stamp": stamp(),
+        "files": [
+            {"path": "triton/a.cubin", "size": 3, "digest": "blake3:" + "a" * 64},
+            {"path": "cute/b.o", "size": 0, "digest": "blake3:" + "b" * 64},
+        ],
+        "report": {"compiled": 2},
+    }
+
+
+def encode(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def with_path(path: str) -> bytes:
+    d = valid_manifest_dict()
+    d["files"][0]["path"] = path
+    return encode(d)
+
+
+def without(field: str) -> bytes:
+    d = valid_manifest_dict()
+    del d[field]
+    return encode(d)
+
+
+def changed(**fields: object) -> bytes:
+    return encode({**valid_manifest_dict(), **fields})
+
+
+def duplicated() -> bytes:
+    d = valid_manifest_dict()
+    d["files"].append(dict(d["files"][0]))
+    return encode(d)
+
+
+def file_and_dir() -> bytes:
+    d = valid_manifest_dict()
+    d["files"].append({"path": "triton/a.cubin/x", "size": 1, "digest": "blake3:" + "c" * 64})
+    return encode(d)
+
+
+def size_of(value: object) -> bytes:
+    d = valid_manifest_dict()
+    d["files"][0]["size"] = value
+    return encode(d)
+
+
+GOOD = encode(valid_manifest_dict())
+
+BAD_MANIFESTS = {
+    "truncated": (GOOD[: len(GOOD) // 2], ManifestError, "invalid JSON"),
+    "garbage": (b"\xff\xfe\x00\x17garbage", ManifestError, "not UTF-8"),
+    "not an object": (b"[1, 2]", ManifestError, "should be a valid dictionary"),
+    "wrong format": (changed(format="kernelcache.dev/manifest/v0"), ManifestError, "format"),
+    "missing report": (without("report"), ManifestError, "field report: Field required"),
+    "missing files": (without("files"), ManifestError, "field files: Field required"),
+    "extra field": (changed(extra=1), ManifestError, "field extra"),
+    "bad key": (changed(key="a/b"), ManifestError, "field key"),
+    "bad time": (changed(created="2025-13-02T03:04:05Z"), ManifestError, "field created"),
+    "bad generation": (changed(generation="xyz"), ManifestError, "field generation"),
+    "stamp without digest": (changed(stamp={"factors": {}}), ManifestError, "stamp.digest"),
+    "negative size": (size_of(-1), ManifestError, "files.0.size"),
+    "bool size": (size_of(True), ManifestError, "files.0.size"),
+    "duplicate key": (GOOD[:-1] + b', "report": {}}', ManifestError, "duplicate JSON key"),
+    "duplicate path": (duplicated(), ManifestError, "duplicate path 'triton/a.cubin'"),
+    "file and dir": (file_and_dir(), ManifestError, "as a file and as a directory"),
+    "absolute": (with_path("/etc/passwd"), UnsafePathError, "absolute path: '/etc/passwd'"),
+    "dotdot": (with_path("../x"), UnsafePathError, "'..' segment: '../x'"),
+    "inner dotdot": (with_path("a/../../x"), UnsafePathError, "'..' segment"),
+    "empty segment": (with_path("a//b"), UnsafePathError, "empty path segment: 'a//b'"),
+    "backslash": (with_path("a\\b"), UnsafePathError, "backslash"),
+    "nul": (with_path("a\0b"), UnsafePathError, "NUL"),
+    "empty": (with_path(""), UnsafePathError, "empty path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
+def test_manifest_parse_rejects(case: str) -> None:
+    data, error, fragment = BAD_MANIFESTS[case]
+    with pytest.raises(error) as err:
+        Manifest.parse(data, "gen/MANIFEST.json")
+    message = str(err.value)
+    assert message.startswith("gen/MANIFEST.json: "), message
+    assert fragment in message, message
+    assert "\n" not in message
+
+
+def test_manifest_parse_accepts_the_valid_one() -> None:
+    manifest = Manifest.parse(GOOD, "m")
+    assert [e.path for e in manifest.files] == ["cute/b.o", "triton/a.cubin"]
+    assert manifest.total_bytes == 3
+    assert Manifest.parse(manifest.to_bytes(), "m") == manifest
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def only_problem(gen_dir: Path) -> tuple[ExitCode, str | None, str]:
+    result = verify(gen_dir)
+    assert len(result.problems) == 1, result.problems
+    problem = result.problems[0]
+    assert "\n" not in problem.message
+    assert problem.path is not None and problem.message.startswith(problem.path)
+    return problem.code, problem.path, problem.message
+
+
+def test_verify_detects_a_flipped_byte_in_every_file(store: Store) -> None:
+    manifest = publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    rng = random.Random(7)
+    for entry in manifest.files:
+        if entry.size == 0:
+            continue
+        path = gen_dir / "files" / entry.path
+        original = path.read_bytes()
+        offset = rng.randrange(entry.size)
+        flipped = bytearray(original)
+        flipped[offset] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(flipped))
+
+        code, problem_path, message = only_problem(gen_dir)
+        assert (code, problem_path) == (ExitCode.INTEGRITY, str(path))
+        assert message.endswith("digest mismatch")
+
+        path.write_bytes(original)
+        assert verify(gen_dir).ok
+
+
+def test_verify_detects_truncation_deletion_and_additions(store: Store) -> None:
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    big = gen_dir / "files" / "flashinfer/big.so"
+    data = big.read_bytes()
+
+    big.write_bytes(data[:-10])
+    assert only_problem(gen_dir) == (
+        ExitCode.INTEGRITY,
+        str(big),
+        f"{big}: size {len(data) - 10} != manifest {len(data)}",
+    )
+    big.unlink()
+    assert only_problem(gen_dir) == (ExitCode.INTEGRITY, str(big), f"{big}: missing")
+    big.write_bytes(data)
+
+    extra = gen_dir / "files" / "triton" / "extra.cubin"
+    extra.write_bytes(b"smuggled")
+    assert only_problem(gen_dir) == (ExitCode.INTEGRITY, str(extra), f"{extra}: not in manifest")
+    extra.unlink()
+    assert verify(gen_dir).ok
+
+
+def test_verify_detects_a_file_swapped_in_from_another_generation(store: Store) -> None:
+    old = publish(store, random_files(1), label="old", keep=5)
+    new = publish(store, random_files(2), label="new", keep=5)  # same paths and sizes
+    rel = "cute/def/gemm.o"
+    target = store.key_dir(KEY) / new.generation / "files" / rel
+    shutil.copyfile(store.key_dir(KEY) / old.generation / "files" / rel, target)
+    assert only_problem(store.current(KEY)) == (
+        ExitCode.INTEGRITY,
+        str(target),
+        f"{target}: digest mismatch",
+    )
+
+
+def test_verify_refuses_symlinks_inside_files(store: Store, tmp_path: Path) -> None:
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"secret")
+
+    out_link = gen_dir / "files" / "triton" / "escape"
+    out_link.symlink_to(outside)
+    code, path, message = only_problem(gen_dir)
+    assert (code, path) == (ExitCode.UNSAFE_PATH, str(out_link))
+    assert "symlink" in message
+    out_link.unlink()
+
+    listed = gen_dir / "files" / "triton/abc/kernel.json"
+    listed.unlink()
+    listed.symlink_to("kernel.cubin")  # points inside, still refused
+    code, path, _ = only_problem(gen_dir)
+    assert (code, path) == (ExitCode.UNSAFE_PATH, str(listed))
+
+    with pytest.raises(UnsafePathError, match=r"kernel\.json"):
+        verify(gen_dir).raise_for_problems()
+
+
+def test_verify_refuses_a_symlinked_directory(store: Store) -> None:
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    cute = gen_dir / "files" / "cute"
+    cute.rename(gen_dir / "cute-elsewhere")
+    cute.symlink_to(gen_dir / "cute-elsewhere")
+    code, path, _ = only_problem(gen_dir)  # one problem: its files are not also "missing"
+    assert (code, path) == (ExitCode.UNSAFE_PATH, str(cute))
+
+
+def test_verify_manifest_problems(store: Store, tmp_path: Path) -> None:
+    result = verify(tmp_path / "nowhere")
+    assert [p.code for p in result.problems] == [ExitCode.MISSING_GENERATION]
+
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    manifest_path = gen_dir / MANIFEST_NAME
+    data = manifest_path.read_bytes()
+
+    manifest_path.unlink()
+    assert only_problem(gen_dir) == (
+        ExitCode.MALFORMED_MANIFEST,
+        str(manifest_path),
+        f"{manifest_path}: missing",
+    )
+    manifest_path.write_bytes(data[:100])
+    assert only_problem(gen_dir)[0] == ExitCode.MALFORMED_MANIFEST
+
+    # A listed size or digest edited to match a tampered file is caught by the content id.
+    edited = json.loads(data)
+    edited["files"][0]["size"] += 1
+    manifest_path.write_bytes(json.dumps(edited).encode())
+    codes = [p.code for p in verify(gen_dir).problems]
+    assert codes[0] == ExitCode.INTEGRITY
+    assert "does not match its content" in verify(gen_dir).problems[0].message
+
+
+def test_raise_for_problems_counts_the_rest(store: Store) -> None:
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    for rel in ("cute/def/gemm.o", "triton/abc/kernel.cubin", "triton/abc/kernel.json"):
+        (gen_dir / "files" / rel).unlink()
+    result = verify(gen_dir)
+    assert not result.ok
+    with pytest.raises(IntegrityError, match=r": missing \(and 2 more\)$") as err:
+        result.raise_for_problems()
+    assert err.value.code == ExitCode.INTEGRITY
+
+
+def test_digest_tree_and_file(tmp_path: Path) -> None:
+    files = random_files(3)
+    write_tree(tmp_path / "t", files)
+    entries = digest_tree(tmp_path / "t", workers=3)
+    assert [e.path for e in entries] == sorted(files)
+    for entry in entries:
+        assert entry.size == len(files[entry.path])
+        assert entry.digest == digest_file(tmp_path / "t" / entry.path)
+        assert re.fullmatch(r"blake3:[0-9a-f]{64}", entry.digest)
+    (tmp_path / "t" / "cute" / "link").symlink_to("/etc/hostname")
+    with pytest.raises(UnsafePathError, match="cute/link"):
+        digest_tree(tmp_path / "t")
+
+
+# --------------------------------------------------------------------------- materialize
+
+
+def test_materialize_copies_exactly(store: Store, tmp_path: Path) -> None:
+    files = random_files(1)
+    publish(store, files)
+    gen_dir = store.current(KEY)
+    result = verify(gen_dir)
+    assert result.manifest is not None
+    target = tmp_path / "target"
+
+    out = materialize(gen_dir, result.manifest, target, workers=4)
+
+    assert out == target / result.manifest.generation
+    assert sorted(os.listdir(target)) == [result.manifest.generation]
+    assert (out / COMPLETE_MARKER).is_file()
+    for rel, data in files.items():
+        assert (out / "files" / rel).read_bytes() == data
+    assert (out / MANIFEST_NAME).read_bytes() == (gen_dir / MANIFEST_NAME).read_bytes()
+    assert verify(out).ok
+    assert materialize(gen_dir, result.manifest, target) == out  # idempotent
+
+
+def test_materialize_of_a_corrupted_source_leaves_nothing(store: Store, tmp_path: Path) -> None:
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    manifest = verify(gen_dir).manifest
+    assert manifest is not None
+    bad = gen_dir / "files" / "flashinfer/big.so"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    target = tmp_path / "target"
+
+    with pytest.raises(IntegrityError) as err:
+        materialize(gen_dir, manifest, target)
+
+    assert str(err.value) == f"{bad}: digest mismatch"
+    assert os.listdir(target) == []
+
+
+def test_materialize_replaces_an_incomplete_copy(store: Store, tmp_path: Path) -> None:
+    manifest = publish(store, random_files(1))
+    stale = tmp_path / "target" / manifest.generation
+    (stale / "files").mkdir(parents=True)
+    (stale / "files" / "junk").write_bytes(b"junk")  # no .complete: not to be trusted
+    out = materialize(store.current(KEY), manifest, tmp_path / "target")
+    assert out == stale
+    assert verify(out).ok
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def test_readers_do_not_block_while_a_writer_holds_the_lock(store: Store) -> None:
+    manifest = publish(store, random_files(1))
+    seen: list[object] = []
+
+    def read() -> None:
+        gen_dir = store.current(KEY)
+        seen.append(gen_dir)
+        seen.append(verify(gen_dir).ok)
+        seen.append(store.current_manifest(KEY))
+
+    with store.writer(KEY) as writer:
+        writer.staging()
+        reader = threading.Thread(target=read)
+        started = time.monotonic()
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "a reader blocked on the writer lock"
+    assert time.monotonic() - started < 5
+    assert seen == [store.key_dir(KEY) / manifest.generation, True, manifest]
