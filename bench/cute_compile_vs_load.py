@@ -11,6 +11,7 @@ tensors and its result checked against torch, so "ready" means a correct first r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -63,8 +64,11 @@ def child(phase: str, gpu: bool) -> None:
     )
 
 
-def launch_and_check(compiled, name: str, args) -> bool:
-    """Run the kernel on real CUDA tensors shaped like the fake ones; compare with torch."""
+def launch_and_check(compiled, name: str, args) -> bool | str:
+    """Run the kernel on CUDA tensors shaped like the fake ones; compare with torch.
+
+    Returns True/False for a correct/incorrect result, or the error text if it did not run.
+    """
     import torch
     from cutlass.cute.runtime import from_dlpack
 
@@ -73,16 +77,36 @@ def launch_and_check(compiled, name: str, args) -> bool:
     m, n = fake.shape
     a = torch.randn(m, n, device="cuda", dtype=dtype)
     b = torch.randn(m, n, device="cuda", dtype=dtype)
-    out = torch.empty_like(a)
+    out = torch.zeros_like(a)
     ta, tb, tout = (from_dlpack(t, assumed_align=16) for t in (a, b, out))
-    if name.startswith("add"):
-        compiled(ta, tb, tout)
-        expected = a + b
-    else:
-        compiled(ta, tout, 1.0)
-        expected = a
-    torch.cuda.synchronize()
+    try:
+        if name.startswith("add"):
+            compiled(ta, tb, tout)
+            expected = a + b
+        else:
+            compiled(ta, tout, 2.0)
+            expected = a * 2
+        torch.cuda.synchronize()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return bool(torch.allclose(out, expected, atol=1e-2, rtol=1e-2))
+
+
+def machine() -> str:
+    """CPU model and count, and the GPU when torch sees one."""
+    cpu = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    text = f"{cpu} x{os.cpu_count()}"
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            text += f", {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return text
 
 
 def run_phase(phase: str, cache: Path, arch: str, gpu: bool) -> dict:
@@ -110,15 +134,13 @@ def main() -> int:
         cold = run_phase("cold", Path(tmp), args.arch, args.gpu)
         warm = run_phase("warm", Path(tmp), args.arch, args.gpu)
     assert warm["misses"] == 0, "the warm process compiled"
-    print(
-        f"machine: {platform.node() and platform.machine()} {os.cpu_count()} cpus, arch {args.arch}"
-    )
+    print(f"machine: {machine()}, target arch {args.arch}")
     print(f"{'kernel':44} {'compile s':>10} {'load s':>10} {'ratio':>8}")
     for c, w in zip(cold["rows"], warm["rows"], strict=True):
         print(
             f"{c['kernel']:44} {c['seconds']:10.4f} {w['seconds']:10.4f} "
             f"{c['seconds'] / w['seconds']:7.0f}x"
-            + (f"  correct={c['correct'] and w['correct']}" if args.gpu else "")
+            + (f"  correct: cold={c['correct']} warm={w['correct']}" if args.gpu else "")
         )
     total_c = sum(r["seconds"] for r in cold["rows"])
     total_w = sum(r["seconds"] for r in warm["rows"])
