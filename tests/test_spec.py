@@ -374,7 +374,13 @@ def test_crd_keeps_constraints():
         "additionalProperties": {"type": "string"},
     }
     warmer = spec["warmers"]["items"]["properties"]
-    assert warmer["type"]["enum"] == ["cute-dsl", "command"]
+    assert warmer["type"]["enum"] == [
+        "cute-dsl",
+        "triton",
+        "torch-compile",
+        "flashinfer",
+        "command",
+    ]
     assert warmer["timeoutSeconds"]["default"] == 3600
     assert warmer["workload"]["x-kubernetes-preserve-unknown-fields"] is True
     assert spec["storage"]["default"] == {"pvc": {"size": "50Gi", "accessModes": ["ReadWriteMany"]}}

@@ -262,9 +262,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store = Store(args.store)
     for key in [args.key] if args.key else store.keys():
         removed = store.gc(key, keep=args.keep)
-        print(
-            f"{key}: removed {len(removed)} generation(s)" + "".join(f" {r}" for r in removed)
-        )
+        print(f"{key}: removed {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
     return 0
 
 

@@ -126,16 +126,27 @@ class GpuClass(BaseModel):
     resources: Resources = Field(default_factory=Resources)
 
 
+WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "command")
+
+
 class Warmer(BaseModel):
-    """One way of compiling kernels: Python entry points (cute-dsl) or a command."""
+    """One way of compiling kernels: Python entry points of a toolchain, or a command."""
 
     model_config = _SPEC_CONFIG
 
-    type: Literal["cute-dsl", "command"]
+    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "command"]
     entry_points: list[EntryPoint] = Field(
-        default_factory=list, description="cute-dsl only: functions that compile kernels."
+        default_factory=list,
+        description="All but command: functions called with the workload that compile kernels.",
     )
     command: list[str] = Field(default_factory=list, description="command only: argv to run.")
+    expect: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Artifacts that must appear, by name (a Triton kernel's autotune result, a "
+            "FlashInfer module or tactics file); a declared one missing fails the warm."
+        ),
+    )
     env: dict[str, str] = Field(default_factory=dict)
     workload: dict[str, Any] = Field(
         default_factory=dict, description="Free-form JSON passed to the entry points."
@@ -144,11 +155,11 @@ class Warmer(BaseModel):
 
     @model_validator(mode="after")
     def _check_type_fields(self) -> Warmer:
-        if self.type == "cute-dsl":
+        if self.type != "command":
             if not self.entry_points:
-                raise _rule_error("entryPoints", "required for a cute-dsl warmer")
+                raise _rule_error("entryPoints", f"required for a {self.type} warmer")
             if self.command:
-                raise _rule_error("command", "not allowed for a cute-dsl warmer")
+                raise _rule_error("command", f"not allowed for a {self.type} warmer")
         else:
             if not self.command:
                 raise _rule_error("command", "required for a command warmer")

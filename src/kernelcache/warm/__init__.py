@@ -98,6 +98,9 @@ def registry() -> dict[str, type[Warmer]]:
 
 def make_warmers(configs: list[WarmerSpec], spec_dir: Path | None = None) -> list[Warmer]:
     kinds = registry()
+    for index, config in enumerate(configs):
+        if config.type not in kinds:
+            raise WarmError(f"spec.warmers[{index}].type: no {config.type} warmer in this build")
     return [kinds[c.type](c, spec_dir) for c in configs]
 
 
