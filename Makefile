@@ -15,6 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cute,dev]'
 	touch $@
 
+# The tests also drive torch.compile on the CPU. torch is pinned first: that release is the
+# CPU build, where an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed-test: $(VENV)/.installed-test
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cute,dev]'
+	touch $@
+
 # Build the example cache for every arch of the spec (CPU is enough: CuTe-DSL cross-compiles),
 # verify it as the init-container would, copy it out, then play the serving process: a fresh
 # process that must find every kernel in the cache and compile none.
@@ -29,7 +36,7 @@ demo: $(VENV)/.installed
 		$(PY) examples/demo_serve.py
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: $(VENV)/.installed

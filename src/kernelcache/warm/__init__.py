@@ -11,6 +11,7 @@ script) fills the generation. The same table tells the serving side where to loo
 
 from __future__ import annotations
 
+import importlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -89,19 +90,29 @@ class Warmer(ABC):
         """Fill ``files_dir`` (the generation's ``files/``) and report what was produced."""
 
 
-def registry() -> dict[str, type[Warmer]]:
-    from kernelcache.warm.command import CommandWarmer
-    from kernelcache.warm.cute_dsl import CuteDslWarmer
+# Warmer type -> "module:Class"; imported only when a spec uses it (torch, triton and
+# FlashInfer are heavy, and absent from the init-container image).
+WARMERS = {
+    "cute-dsl": "kernelcache.warm.cute_dsl:CuteDslWarmer",
+    "triton": "kernelcache.warm.triton:TritonWarmer",
+    "torch-compile": "kernelcache.warm.torch_compile:TorchCompileWarmer",
+    "flashinfer": "kernelcache.warm.flashinfer:FlashInferWarmer",
+    "command": "kernelcache.warm.command:CommandWarmer",
+}
 
-    return {cls.type: cls for cls in (CuteDslWarmer, CommandWarmer)}
+
+def warmer_class(kind: str) -> type[Warmer]:
+    module_name, _, class_name = WARMERS[kind].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WarmError(f"{kind} warmer unavailable here: {exc}") from exc
+    cls: type[Warmer] = getattr(module, class_name)
+    return cls
 
 
 def make_warmers(configs: list[WarmerSpec], spec_dir: Path | None = None) -> list[Warmer]:
-    kinds = registry()
-    for index, config in enumerate(configs):
-        if config.type not in kinds:
-            raise WarmError(f"spec.warmers[{index}].type: no {config.type} warmer in this build")
-    return [kinds[c.type](c, spec_dir) for c in configs]
+    return [warmer_class(c.type)(c, spec_dir) for c in configs]
 
 
 def run_warmers(warmers: list[Warmer], files_dir: Path, arch: str) -> dict[str, Any]:
