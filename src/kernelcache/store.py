@@ -122,7 +122,7 @@ _DIGEST_PATTERN = r"^blake3:[0-9a-f]{64}$"
 _CREATED_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?Z$"
 _GENERATION_ID_CHARS = 32
 
-_CHUNK = 1 << 20
+_CHUNK = 256 << 10  # fits in L2: measured faster than 1-16 MiB reads
 # Files above this hash on several threads; smaller ones are already parallel across files.
 _BIG_FILE = 8 << 20
 

@@ -1,0 +1,148 @@
+"""Verify throughput against b3sum and sha256sum on the same files.
+
+Builds a synthetic generation with a realistic file-size mix (many KB-size ``.o``/``.json``
+kernels, some MB-size ``.so``/``.cubin`` modules), then times, side by side in one run and
+with the page cache warm (each tool reads the files once before timing; best of N):
+
+- ``b3sum`` and ``sha256sum`` over every file, pinned to one core, and b3sum on all cores;
+- ``kernelcache.store.verify`` (every digest, sizes, unlisted files, path safety) pinned to
+  one core with one worker, and on all cores.
+
+Target: verify on one core within 1.25x of ``b3sum`` on one core, and scaling with cores.
+
+    python bench/verify_throughput.py [--size-mb 1024] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kernelcache.store import Store, verify
+
+KEY = "bench/throughput/sm_90a"
+
+
+def make_files(root: Path, size_mb: int, seed: int = 7) -> tuple[int, int]:
+    """~85% of the bytes in 2-24 MB modules, the rest in 4-256 KB kernels and metadata."""
+    rng = random.Random(seed)
+    total, count, budget = 0, 0, size_mb << 20
+    chunk = rng.randbytes(1 << 20)
+    while total < budget:
+        big = rng.random() < 0.08
+        size = rng.randint(2 << 20, 24 << 20) if big else rng.randint(4 << 10, 256 << 10)
+        ext = rng.choice([".so", ".cubin"]) if big else rng.choice([".o", ".json", ".ptx"])
+        path = root / ("modules" if big else "kernels") / f"{count:05d}{ext}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        offset = rng.randrange(1 << 19)
+        data = (chunk * (size // len(chunk) + 2))[offset : offset + size]
+        path.write_bytes(data)
+        total += size
+        count += 1
+    return count, total
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    fn()  # warm the page cache and any lazy imports
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run_tool(cmd: list[str], files: list[str], cpus: str | None) -> None:
+    prefix = ["taskset", "-c", cpus] if cpus else []
+    subprocess.run(prefix + cmd + files, check=True, stdout=subprocess.DEVNULL)
+
+
+def verify_pinned(gen: Path, workers: int, cpus: set[int] | None) -> None:
+    """Verify in a child process pinned to ``cpus`` (affinity is per process)."""
+    code = (
+        "import os,sys; from pathlib import Path; from kernelcache.store import verify\n"
+        f"os.sched_setaffinity(0, {cpus!r}) if {cpus!r} else None\n"
+        f"r = verify(Path({str(gen)!r}), workers={workers}); sys.exit(0 if r.ok else 1)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    ncpu = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="kc-verify-bench-") as tmp:
+        src = Path(tmp) / "src"
+        count, total = make_files(src, args.size_mb)
+        store = Store(Path(tmp) / "store")
+        with store.writer(KEY) as writer:
+            staging = writer.staging()
+            shutil.rmtree(staging)
+            shutil.move(str(src), staging)
+            writer.publish(staging, {"digest": "blake3:" + "0" * 64, "factors": {}}, {})
+        gen = store.current(KEY)
+        assert gen is not None and verify(gen).ok
+        files = sorted(str(p) for p in (gen / "files").rglob("*") if p.is_file())
+        # In-process overhead of a child (interpreter start + import) is measured and removed.
+        startup = best_of(
+            args.repeat,
+            lambda: subprocess.run([sys.executable, "-c", "import kernelcache.store"], check=True),
+        )
+        rows: list[tuple[str, float]] = []
+        have_b3 = shutil.which("b3sum") is not None
+        if have_b3:
+            rows.append(
+                (
+                    "b3sum, 1 core",
+                    best_of(
+                        args.repeat, lambda: run_tool(["b3sum", "--num-threads", "1"], files, "0")
+                    ),
+                )
+            )
+        rows.append(
+            ("sha256sum, 1 core", best_of(args.repeat, lambda: run_tool(["sha256sum"], files, "0")))
+        )
+        rows.append(
+            (
+                "kernelcache verify, 1 core",
+                best_of(args.repeat, lambda: verify_pinned(gen, 1, {0})) - startup,
+            )
+        )
+        if have_b3:
+            rows.append(
+                (
+                    f"b3sum, {ncpu} cores",
+                    best_of(args.repeat, lambda: run_tool(["b3sum"], files, None)),
+                )
+            )
+        rows.append(
+            (
+                f"kernelcache verify, {ncpu} cores",
+                best_of(args.repeat, lambda: verify_pinned(gen, ncpu, None)) - startup,
+            )
+        )
+    print(f"{count} files, {total / 1e9:.2f} GB (page cache warm, best of {args.repeat})")
+    print(f"{'':32} {'seconds':>8} {'GB/s':>7}")
+    for name, seconds in rows:
+        print(f"{name:32} {seconds:8.3f} {total / seconds / 1e9:7.2f}")
+    by_name = dict(rows)
+    if have_b3:
+        one = by_name["kernelcache verify, 1 core"] / by_name["b3sum, 1 core"]
+        print(f"verify / b3sum on one core: {one:.2f}x (target <= 1.25x)")
+    scale = by_name["kernelcache verify, 1 core"] / by_name[f"kernelcache verify, {ncpu} cores"]
+    print(f"verify scaling 1 -> {ncpu} cores: {scale:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
