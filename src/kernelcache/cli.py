@@ -29,9 +29,13 @@ def _exit_codes_epilog() -> str:
 
 
 def _console(stderr: bool = False) -> Any:
+    """Rich output; wide when piped, so tables in logs and CI keep every column readable."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(
+        stderr=stderr, highlight=False, soft_wrap=True, width=None if stream.isatty() else 160
+    )
 
 
 def _load_spec(path: Path) -> Any:
@@ -99,7 +103,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         table.add_row(
             r.arch,
             r.status,
-            r.generation or "-",
+            (r.generation or "-")[:16],
             str(r.files),
             f"{r.bytes:,}",
             str(r.compiled),
@@ -244,12 +248,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(
             str(row["key"]),
-            str(row["generation"]),
+            str(row["generation"])[:16],
             "*" if row["current"] else "",
-            str(row["created"]),
+            str(row["created"])[:19] + "Z",
             str(row["files"]),
             f"{row['bytes']:,}",
-            str(row["stamp"])[:23],
+            str(row["stamp"]).removeprefix("blake3:")[:16],
         )
     _console().print(table)
     return 0
