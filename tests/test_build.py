@@ -81,17 +81,30 @@ def test_build_publishes_every_arch_and_verifies(tmp_path):
 def test_rebuild_with_the_same_stamp_is_up_to_date_and_a_change_is_a_new_generation(tmp_path):
     spec, store = write_spec(tmp_path), tmp_path / "store"
     key = "default/demo/sm_90a"
-    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    assert (
+        kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode
+        == 0
+    )
     first = Store(store).current_manifest(key)
     again = kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
     assert again.returncode == 0 and "up-to-date" in again.stdout
     assert Store(store).current_manifest(key).generation == first.generation
 
-    changed = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "tiles": [[64, 64]]}})
-    assert kernelcache("build", "-f", str(changed), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    changed = write_spec(
+        tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "tiles": [[64, 64]]}}
+    )
+    assert (
+        kernelcache(
+            "build", "-f", str(changed), "--store", str(store), "--arch", "sm_90a"
+        ).returncode
+        == 0
+    )
     second = Store(store).current_manifest(key)
     assert second.generation != first.generation
-    assert [m.generation for m in Store(store).generations(key)] == [first.generation, second.generation]
+    assert [m.generation for m in Store(store).generations(key)] == [
+        first.generation,
+        second.generation,
+    ]
 
     explained = kernelcache(
         "explain",
@@ -102,15 +115,23 @@ def test_rebuild_with_the_same_stamp_is_up_to_date_and_a_change_is_a_new_generat
     assert explained.stdout.splitlines()[0].startswith("workload:")
 
     # retention: generations=2 keeps two after a third build
-    third = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "dtypes": ["float32"]}})
-    assert kernelcache("build", "-f", str(third), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    third = write_spec(
+        tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "dtypes": ["float32"]}}
+    )
+    assert (
+        kernelcache("build", "-f", str(third), "--store", str(store), "--arch", "sm_90a").returncode
+        == 0
+    )
     ids = [m.generation for m in Store(store).generations(key)]
     assert len(ids) == 2 and first.generation not in ids
 
 
 def test_verify_names_a_flipped_byte_and_a_missing_generation(tmp_path):
     spec, store = write_spec(tmp_path), tmp_path / "store"
-    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_120a").returncode == 0
+    assert (
+        kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_120a").returncode
+        == 0
+    )
     gen = Store(store).current("default/demo/sm_120a")
     victim = sorted((gen / "files" / "cute-dsl").glob("*.o"))[0]
     data = bytearray(victim.read_bytes())
@@ -127,7 +148,10 @@ def test_verify_names_a_flipped_byte_and_a_missing_generation(tmp_path):
 
 def test_check_env_names_the_changed_kernel_source(tmp_path):
     spec, store = write_spec(tmp_path), tmp_path / "store"
-    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    assert (
+        kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode
+        == 0
+    )
     (tmp_path / "demo_kernels.py").write_text((tmp_path / "demo_kernels.py").read_text() + "\n#\n")
     proc = kernelcache(
         "verify", "--store", str(store), "--key", "default/demo/sm_90a", "--check-env",
@@ -139,11 +163,20 @@ def test_check_env_names_the_changed_kernel_source(tmp_path):
 
 def test_materialized_generation_serves_a_fresh_process_with_zero_compiles(tmp_path):
     spec, store = write_spec(tmp_path), tmp_path / "store"
-    assert kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode == 0
+    assert (
+        kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode
+        == 0
+    )
     target = tmp_path / "serve"
     target.mkdir()
     proc = kernelcache(
-        "verify", "--store", str(store), "--key", "default/demo/sm_90a", "--materialize", str(target)
+        "verify",
+        "--store",
+        str(store),
+        "--key",
+        "default/demo/sm_90a",
+        "--materialize",
+        str(target),
     )
     assert proc.returncode == 0, proc.stderr
     (generation,) = [p for p in target.iterdir() if p.is_dir()]
@@ -165,7 +198,9 @@ def test_two_builders_of_one_key_publish_one_generation(tmp_path):
     results = []
 
     def run() -> None:
-        results.append(kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a"))
+        results.append(
+            kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+        )
 
     threads = [threading.Thread(target=run) for _ in range(2)]
     for t in threads:
@@ -184,7 +219,10 @@ def test_a_failing_entry_point_is_one_line_and_exit_code(tmp_path):
     proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
     assert proc.returncode == ExitCode.WARM_FAILED
     assert "demo_kernels:no_such_function" in one_line_error(proc)
-    assert not Store(tmp_path / "s").keys() or Store(tmp_path / "s").current("default/demo/sm_90a") is None
+    assert (
+        not Store(tmp_path / "s").keys()
+        or Store(tmp_path / "s").current("default/demo/sm_90a") is None
+    )
 
 
 def test_a_declared_warmer_that_produced_nothing_fails(tmp_path):
@@ -195,7 +233,10 @@ def test_a_declared_warmer_that_produced_nothing_fails(tmp_path):
 
 
 def test_command_warmer_reports_what_each_cache_dir_received(tmp_path):
-    script = "import os, pathlib; pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_bytes(b'x' * 10)"
+    script = (
+        "import os, pathlib; "
+        "pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_bytes(b'x' * 10)"
+    )
     spec = write_spec(
         tmp_path, warmers=[{"type": "command", "command": [sys.executable, "-c", script]}]
     )
@@ -206,7 +247,9 @@ def test_command_warmer_reports_what_each_cache_dir_received(tmp_path):
     assert [f.path for f in manifest.files] == ["triton/k.bin"]
     assert manifest.report["warmers"][0]["dirs"] == {"triton": {"files": 1, "bytes": 10}}
 
-    empty = write_spec(tmp_path, warmers=[{"type": "command", "command": [sys.executable, "-c", "pass"]}])
+    empty = write_spec(
+        tmp_path, warmers=[{"type": "command", "command": [sys.executable, "-c", "pass"]}]
+    )
     proc = kernelcache("warm", "-f", str(empty), "--store", str(store), "--arch", "sm_90a")
     assert proc.returncode == ExitCode.WARM_FAILED
     assert "produced nothing" in one_line_error(proc)
@@ -217,7 +260,11 @@ def test_command_warmer_reports_what_each_cache_dir_received(tmp_path):
     [
         (["build", "-f", "nope.yaml", "--store", "s"], ExitCode.USAGE, "nope.yaml"),
         (["verify", "--store", "s"], ExitCode.USAGE, "--key"),
-        (["verify", "--store", "s", "--key", "default/demo/sm_90a"], ExitCode.MISSING_GENERATION, "default/demo/sm_90a"),
+        (
+            ["verify", "--store", "s", "--key", "default/demo/sm_90a"],
+            ExitCode.MISSING_GENERATION,
+            "default/demo/sm_90a",
+        ),
     ],
 )
 def test_bad_invocations_are_one_line(tmp_path, args, code, needle):
@@ -228,7 +275,9 @@ def test_bad_invocations_are_one_line(tmp_path, args, code, needle):
 
 def test_unknown_arch_is_refused_naming_the_declared_ones(tmp_path):
     spec = write_spec(tmp_path)
-    proc = kernelcache("build", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_100a")
+    proc = kernelcache(
+        "build", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_100a"
+    )
     assert proc.returncode == ExitCode.USAGE
     assert "sm_100a" in one_line_error(proc) and "sm_90a" in proc.stderr
 

@@ -202,10 +202,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.left == "env" and args.right == "env":
         raise SpecError("explain: at most one side can be 'env'")
-    left = None if args.left == "env" else _stamp_of(args.left)
-    right = None if args.right == "env" else _stamp_of(args.right)
-    left = left or environment_stamp(right)
-    right = right or environment_stamp(left)
+    if args.left == "env":
+        right = _stamp_of(args.right)
+        left = environment_stamp(right)
+    else:
+        left = _stamp_of(args.left)
+        right = _stamp_of(args.right) if args.right != "env" else environment_stamp(left)
     diffs = stamps.explain(left, right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
@@ -279,6 +281,16 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    """Run the Kubernetes operator until stopped; it is configured by KERNELCACHE_OPERATOR_*."""
+    try:
+        from kernelcache.operator.main import run
+    except ModuleNotFoundError as exc:
+        missing = f"operator: {exc.name} is missing; install kernelcache[operator]"
+        raise KernelCacheError(missing) from None
+    return run(verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kernelcache",
@@ -346,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     store_arg(p)
     p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
     p.add_argument("--keep", type=int, default=2, help="generations to keep per key (default 2)")
+
+    p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
     p = add("keygen", cmd_keygen, "write an ed25519 key pair for signing")
     p.add_argument("dir", type=Path, help="directory for kernelcache.key and kernelcache.pub")

@@ -1,0 +1,312 @@
+"""The serving side: use a materialized generation, and observe every compile that still happens.
+
+``install()`` (or ``KERNELCACHE_RUNTIME=1`` with the ``kernelcache_runtime.pth`` hook, which
+calls it at interpreter start, so that engines need no code change; the hook belongs in the
+site-packages that holds kernelcache and its dependencies) reads one ``RuntimeConfig`` from
+the environment and then:
+
+1. checks the generation's stamp against this environment (``kernelcache_stamp_mismatch``,
+   one log line naming the factor; strict mode refuses to start);
+2. points every toolchain cache variable of ``kernelcache.warm.CACHE_ENV`` at the
+   generation's ``files/<subdir>``, leaving any variable the user already set alone;
+3. when the generation holds FlashInfer AOT modules (``FLASHINFER_AOT_SUBDIR``), points
+   FlashInfer at them and, in strict mode, sets ``FLASHINFER_DISABLE_JIT=1``;
+4. hooks each toolchain when the application imports it (``runtime.hooks``): the CuTe-DSL
+   disk layer, Triton's compile listener, dynamo/inductor compile callbacks and the torch
+   Mega-Cache (``files/torch-compile/megacache.bin``, loaded when torch is imported), and a
+   tail of FlashInfer's build log;
+5. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
+
+The environment contract (read once, by ``RuntimeConfig.from_env``):
+
+=========================================  ==================================================
+``KERNELCACHE_DIR``                        materialized generation root (``MANIFEST.json``,
+                                           ``files/``); unset: count compiles only
+``KERNELCACHE_STRICT``                     ``1``: a compile in serving raises (see hooks)
+``KERNELCACHE_METRICS_PORT``               port for ``/metrics``; ``0`` or unset: none
+``KERNELCACHE_METRICS_ADDRESS``            address to bind, ``0.0.0.0`` by default
+``KERNELCACHE_NAME``                       ``name`` label; default: the manifest's key
+``KERNELCACHE_ARCH``                       this node's arch (``sm_90a``): label and stamp
+                                           check; default: the generation's
+``KERNELCACHE_FLASHINFER_MIN_BUILD_S``     a FlashInfer build-log line counts as a build
+                                           from this many seconds (default 0.5)
+``KERNELCACHE_POLL_S``                     how often the build log is read (default 1.0)
+``FLASHINFER_JIT_BUILD_LOG``               FlashInfer's build log; set to a file in the temp
+                                           dir when unset and FlashInfer is installed
+=========================================  ==================================================
+
+Nothing here imports torch, Triton, the DSL or FlashInfer; the generation's manifest and
+stamp are read with kernelcache's own (pure Python) modules, only when a generation is set.
+Pattern: the runtime never takes a workload down because of the cache (warn, count, compile)
+unless strict mode asks it to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernelcache.errors import (
+    KernelCacheError,
+    MissingGenerationError,
+    SpecError,
+    StampMismatchError,
+    StorageError,
+)
+from kernelcache.runtime import hooks, metrics
+from kernelcache.runtime.metrics import serve_metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from kernelcache.stamp import FactorDiff
+    from kernelcache.store import Manifest
+
+__all__ = [
+    "FLASHINFER_AOT_SUBDIR",
+    "MEGACACHE_FILE",
+    "Runtime",
+    "RuntimeConfig",
+    "autoinstall",
+    "install",
+    "serve_metrics",
+]
+
+log = logging.getLogger(__name__)
+
+# Written by the torch-compile warmer from torch.compiler.save_cache_artifacts().
+MEGACACHE_FILE = "torch-compile/megacache.bin"
+# The flashinfer warmer's prebuilt modules, in FlashInfer's own AOT layout
+# (``<name>/<name>.so``). Non-empty means FlashInfer can run with JIT disabled; a warm JIT
+# workspace (``files/flashinfer`` as FLASHINFER_WORKSPACE_BASE) is not enough for that,
+# since FLASHINFER_DISABLE_JIT refuses it too.
+FLASHINFER_AOT_SUBDIR = "flashinfer/aot"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the serving process uses its cache; ``from_env`` reads it from ``KERNELCACHE_*``."""
+
+    # KERNELCACHE_DIR: the generation directory the init-container materialized (it holds
+    # MANIFEST.json and files/). None: no generation, compiles are only counted.
+    generation_dir: Path | None = None
+    # KERNELCACHE_STRICT=1: a compile in serving raises ColdCompileError where a toolchain
+    # allows refusing it, and a stamp mismatch refuses to start.
+    strict: bool = False
+    # KERNELCACHE_METRICS_PORT: where /metrics is served; 0 serves nothing.
+    metrics_port: int = 0
+    # KERNELCACHE_METRICS_ADDRESS: the address /metrics binds.
+    metrics_address: str = "0.0.0.0"
+    # KERNELCACHE_NAME: the generation_info name label (the KernelCache's namespace/name);
+    # None: taken from the manifest's key.
+    name: str | None = None
+    # KERNELCACHE_ARCH: this node's SM arch, for the label and the stamp check; None: the
+    # generation's own arch (the init-container already matched it to the node).
+    arch: str | None = None
+    # FLASHINFER_JIT_BUILD_LOG: the JSON-lines log FlashInfer appends each module build to.
+    flashinfer_build_log: Path | None = None
+    # KERNELCACHE_FLASHINFER_MIN_BUILD_S: shorter build-log entries are warm loads (ninja
+    # no-ops take ~0.01 s; the fastest real module build takes seconds).
+    flashinfer_min_build_seconds: float = 0.5
+    # KERNELCACHE_POLL_S: seconds between two reads of the FlashInfer build log.
+    poll_seconds: float = 1.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+        """Read the config; a malformed value is a SpecError naming the variable."""
+        env = os.environ if environ is None else environ
+        directory = env.get("KERNELCACHE_DIR")
+        build_log = env.get("FLASHINFER_JIT_BUILD_LOG")
+        return cls(
+            generation_dir=Path(directory) if directory else None,
+            strict=_flag(env, "KERNELCACHE_STRICT"),
+            metrics_port=int(_number(env, "KERNELCACHE_METRICS_PORT", 0, int)),
+            metrics_address=env.get("KERNELCACHE_METRICS_ADDRESS") or cls.metrics_address,
+            name=env.get("KERNELCACHE_NAME") or None,
+            arch=env.get("KERNELCACHE_ARCH") or None,
+            flashinfer_build_log=Path(build_log) if build_log else None,
+            flashinfer_min_build_seconds=_number(env, "KERNELCACHE_FLASHINFER_MIN_BUILD_S", 0.5),
+            poll_seconds=_number(env, "KERNELCACHE_POLL_S", 1.0),
+        )
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    # Exactly "1", as runtime.cute reads KERNELCACHE_STRICT: "true" must not mean two things.
+    value = env.get(name, "")
+    if value not in ("", "0", "1"):
+        raise SpecError(f"{name}={value!r}: expected 1 or 0")
+    return value == "1"
+
+
+def _number(env: Mapping[str, str], name: str, default: float, kind: type = float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= 0") from None
+    if value < 0:
+        raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= 0")
+    return float(value)
+
+
+@dataclass
+class Runtime:
+    """What ``install()`` did in this process."""
+
+    config: RuntimeConfig
+    manifest: Manifest | None = None
+    # Factors in which the generation's stamp differs from this environment.
+    stamp_diffs: list[FactorDiff] = field(default_factory=list)
+    # The variables install() set, and their values (the user's own are not listed).
+    env: dict[str, str] = field(default_factory=dict)
+    metrics_port: int | None = None
+
+
+_installed: Runtime | None = None
+
+
+def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
+    """Set up this process for serving from a generation (``KERNELCACHE_DIR`` by default).
+
+    Call it before the toolchains are imported (the ``.pth`` hook does), so that their cache
+    variables are read after they are pointed at the generation. Cache variables the user
+    already set are left as they are. Idempotent: a second call returns the first result.
+    Raises SpecError for a malformed variable and, in strict mode only, StampMismatchError or
+    the error that makes the generation unusable (missing, unreadable, malformed manifest).
+    """
+    global _installed
+    if _installed is not None:
+        return _installed
+    config = RuntimeConfig.from_env()
+    if generation_dir is not None:
+        config = replace(config, generation_dir=Path(generation_dir))
+    runtime = Runtime(config)
+    files = None
+    if config.generation_dir is not None:
+        files = _open_generation(runtime, config.generation_dir)
+    if files is not None:
+        _point_caches(runtime, files)
+    _observe(runtime, files)
+    if config.metrics_port:
+        runtime.metrics_port = _serve(config)
+    _installed = runtime
+    return runtime
+
+
+def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
+    """Read and stamp-check the generation; its files/ directory, or None when unusable."""
+    from kernelcache import stamp as stamps
+    from kernelcache.build import environment_stamp
+    from kernelcache.store import FILES_DIR
+
+    config = runtime.config
+    try:
+        manifest = _read_manifest(directory)
+        recorded = stamps.Stamp.from_dict(manifest.stamp)
+        diffs = stamps.explain(recorded, environment_stamp(recorded, config.arch))
+    except KernelCacheError as exc:
+        if config.strict:
+            raise
+        log.warning("kernelcache: %s; serving without a generation", exc.message)
+        return None
+    runtime.manifest, runtime.stamp_diffs = manifest, diffs
+    metrics.set_generation(
+        name=config.name or manifest.key.rsplit("/", 1)[0],
+        arch=config.arch or recorded.factors.get("arch", ""),
+        generation=manifest.generation,
+        stamp=recorded.digest,
+        mismatch=bool(diffs),
+    )
+    if diffs:
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        error = StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+        if config.strict:
+            raise error
+        # Still used: each toolchain keys its own artifacts, so whatever does not fit this
+        # environment misses (and is counted) rather than being loaded.
+        log.warning("kernelcache: %s", error.message)
+    return directory / FILES_DIR
+
+
+def _read_manifest(directory: Path) -> Manifest:
+    from kernelcache.store import MANIFEST_NAME, Manifest
+
+    path = directory / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MissingGenerationError(
+            f"{directory}: not a generation ({MANIFEST_NAME} missing)", path=str(path)
+        ) from None
+    except OSError as exc:
+        raise StorageError(f"{path}: cannot read: {exc.strerror}", path=str(path)) from None
+    return Manifest.parse(data, str(path))
+
+
+def _set_default(runtime: Runtime, name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = value
+        runtime.env[name] = value
+
+
+def _point_caches(runtime: Runtime, files: Path) -> None:
+    from kernelcache.warm import CACHE_ENV
+
+    for name, subdir in CACHE_ENV.items():
+        _set_default(runtime, name, str(files / subdir))
+    aot = files / FLASHINFER_AOT_SUBDIR
+    if aot.is_dir() and any(aot.iterdir()):
+        hooks.use_flashinfer_aot(aot)
+        if runtime.config.strict:
+            _set_default(runtime, "FLASHINFER_DISABLE_JIT", "1")
+    if runtime.env:
+        log.info("kernelcache: serving from %s (%s)", files.parent, ", ".join(sorted(runtime.env)))
+
+
+def _observe(runtime: Runtime, files: Path | None) -> None:
+    config = runtime.config
+    megacache = files / MEGACACHE_FILE if files is not None else None
+    hooks.watch_cute()
+    hooks.watch_triton(config.strict)
+    hooks.watch_inductor(config.strict, megacache if megacache and megacache.is_file() else None)
+    build_log = config.flashinfer_build_log
+    if build_log is None and importlib.util.find_spec("flashinfer") is not None:
+        build_log = Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"
+        _set_default(runtime, "FLASHINFER_JIT_BUILD_LOG", str(build_log))
+    if build_log is not None:
+        tail = hooks.BuildLogTail(build_log, config.flashinfer_min_build_seconds)
+        tail.start(config.poll_seconds)
+
+
+def _serve(config: RuntimeConfig) -> int | None:
+    try:
+        return serve_metrics(config.metrics_port, config.metrics_address)
+    except OSError as exc:  # a child process of the server inherits the port: count anyway
+        log.warning(
+            "kernelcache: /metrics not served on %s:%d: %s",
+            config.metrics_address,
+            config.metrics_port,
+            exc.strerror,
+        )
+        return None
+
+
+def autoinstall() -> None:
+    """The ``.pth`` hook's entry: ``install()``, with a refusal as one line and an exit code.
+
+    An exception in a ``.pth`` line is printed and then ignored by ``site``, so a refusal
+    would not stop the process; this exits instead, as the init-container does.
+    """
+    try:
+        install()
+    except KernelCacheError as exc:
+        print(f"kernelcache: {exc.message}", file=sys.stderr, flush=True)
+        os._exit(int(exc.code))

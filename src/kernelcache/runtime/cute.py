@@ -193,6 +193,16 @@ def key_digest(factors: dict) -> str:
     return blake3.blake3(canonical).hexdigest()[:32]
 
 
+# Told of every lookup that reaches a kernel: ("hit" | "compile" | "refused", function name,
+# seconds, None when refused). The serving runtime's metrics subscribe here.
+on_event: Callable[[str, str, float | None], None] | None = None
+
+
+def _report(kind: str, name: str, seconds: float | None) -> None:
+    if on_event is not None:
+        on_event(kind, name, seconds)
+
+
 class CuteDiskCache:
     """``compile(fn, *args, **kwargs)`` that loads from ``root`` on a hit and exports on a miss."""
 
@@ -244,10 +254,12 @@ class CuteDiskCache:
         start = time.perf_counter()
         module = load_module(str(obj_path))
         compiled = module[meta["prefix"]]
+        seconds = time.perf_counter() - start
         with self._guard:
             self._modules.append(module)
             self.stats.hits += 1
-            self.stats.load_seconds += time.perf_counter() - start
+            self.stats.load_seconds += seconds
+        _report("hit", factors["function"], seconds)
         return compiled
 
     def _compile_now(
@@ -255,6 +267,7 @@ class CuteDiskCache:
     ) -> Any:
         name = factors["function"] if factors else getattr(fn, "__qualname__", repr(fn))
         if self.strict:
+            _report("refused", name, None)
             raise ColdCompileError(
                 f"cute-dsl: cold compile of {name} in strict mode (not in the cache at {self.root})"
             )
@@ -265,10 +278,12 @@ class CuteDiskCache:
         if options is not None:
             kwargs = {**kwargs, "options": options}
         compiled = compile_fn(fn, *args, **kwargs)
+        seconds = time.perf_counter() - start
         with self._guard:
             self.stats.misses += 1
             self.stats.compiled.append(name)
-            self.stats.compile_seconds += time.perf_counter() - start
+            self.stats.compile_seconds += seconds
+        _report("compile", name, seconds)
         return compiled
 
     def _persist(self, key: str, factors: dict, compiled: Any) -> None:

@@ -1,0 +1,312 @@
+"""One observer per toolchain: count every compile a serving process still runs, and refuse
+it in strict mode where the toolchain gives us a place to do so before the compile.
+
+Each observer is installed when its toolchain is imported (``imports.when_imported``), never
+by importing it here. What each one sees, and what strict mode can enforce:
+
+- **cute-dsl**: ``cutlass.cute.compile`` is routed through kernelcache's disk layer
+  (``runtime.cute``), which reports every hit and compile. Strict: refused before compiling.
+- **triton**: ``triton.knobs.compilation.listener`` (Triton >= 3.4) is called by
+  ``triton.compile`` with ``cache_hit`` telling a load from the on-disk cache from a real
+  compile. (``knobs.runtime.jit_cache_hook`` and ``jit_post_compile_hook`` cannot tell them
+  apart: both run on every miss of the in-memory kernel cache, disk hits included.) Strict:
+  a cache manager whose group lookup refuses a kernel that is not on disk, which is the point
+  where ``triton.compile`` decides to compile; not installed over a ``TRITON_CACHE_MANAGER``
+  of the user's (then Triton compiles are counted only).
+- **inductor**: dynamo's compile start/end callbacks bracket each frame compile, and the
+  FX-graph cache's own counters (``fxgraph_cache_miss``/``_hit``/``_bypass``) say whether it
+  compiled. The kernel label is the compiled frame (``forward (model.py:12)``). Strict: the
+  FX-graph cache lookup raises on a miss, before lowering. A bypass (a graph inductor will not
+  cache) is counted, not refused. The Triton kernels of a missed graph are compiled in
+  inductor's compile workers (other processes, by default): here they are that graph's miss. On
+  CPU the C++ kernels of a cache hit are rebuilt unless the generation's ``inductor``
+  directory holds them: the Mega-Cache carries graphs, not shared objects.
+- **flashinfer**: its ``FLASHINFER_JIT_BUILD_LOG`` (one JSON line per module build) is tailed
+  by a thread. Warm loads appear there too, as ninja no-ops of ~0.01 s: a line counts as a
+  build only from ``min_seconds`` (0.5 s by default) and only for this process's pid. Strict:
+  counted only here; FlashInfer itself refuses when ``FLASHINFER_DISABLE_JIT=1``, which strict
+  mode sets when the generation holds AOT modules (FlashInfer is pointed at those in either
+  mode, ``use_flashinfer_aot``).
+
+These rely on semi-private hooks of torch and Triton; an observer that finds its hook
+missing logs one warning and counts nothing, it never breaks the import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kernelcache.runtime import metrics
+from kernelcache.runtime.imports import when_imported
+
+log = logging.getLogger(__name__)
+
+
+def _cold_compile_error(message: str) -> Exception:
+    # One exception type for every toolchain, so serving code can catch a refusal as such.
+    from kernelcache.runtime.cute import ColdCompileError
+
+    return ColdCompileError(message)
+
+
+# ------------------------------------------------------------------------------ cute-dsl
+
+
+def watch_cute() -> None:
+    """Route ``cutlass.cute.compile`` through the disk layer once the DSL is imported."""
+    when_imported("cutlass.cute", _install_cute)
+
+
+def _install_cute(_: ModuleType) -> None:
+    from kernelcache.runtime import cute as disk
+
+    disk.on_event = _on_cute_event
+    disk.install()
+
+
+def _on_cute_event(kind: str, name: str, seconds: float | None) -> None:
+    if kind == "hit":
+        metrics.record_hit("cute-dsl")
+    else:
+        metrics.record_compile("cute-dsl", name, seconds)
+
+
+# ------------------------------------------------------------------------------ triton
+
+
+def watch_triton(strict: bool) -> None:
+    when_imported("triton", lambda _: _install_triton(strict))
+
+
+def _install_triton(strict: bool) -> None:
+    try:
+        from triton import knobs
+    except ImportError:
+        log.warning("kernelcache: this Triton has no knobs (needs 3.4+): compiles not counted")
+        return
+    previous = knobs.compilation.listener
+
+    def listener(**event: Any) -> None:
+        if previous is not None:
+            previous(**event)
+        if event["cache_hit"]:
+            metrics.record_hit("triton")
+        else:
+            kernel = getattr(event["src"], "name", "?")
+            metrics.record_compile("triton", kernel, event["times"].total / 1e6)
+
+    knobs.compilation.listener = listener
+    if not strict:
+        return
+    if knobs.cache.manager_class is not None:
+        log.warning(
+            "kernelcache: TRITON_CACHE_MANAGER is set: Triton compiles are counted, not refused"
+        )
+        return
+    knobs.cache.manager_class = _strict_cache_manager()
+
+
+def _strict_cache_manager() -> type:
+    from triton.runtime.cache import FileCacheManager
+
+    class StrictFileCacheManager(FileCacheManager):
+        """Triton's file cache that refuses, rather than reports, a kernel it does not hold.
+
+        ``triton.compile`` looks up ``<kernel>.json``'s group and compiles when it is absent;
+        autotune results and launcher stubs use ``get_file`` and are not affected.
+        """
+
+        def get_group(self, filename: str) -> dict[str, str] | None:
+            group: dict[str, str] | None = super().get_group(filename)
+            if group is None or filename not in group:
+                kernel = filename.removesuffix(".json")
+                metrics.record_compile("triton", kernel, None)
+                raise _cold_compile_error(
+                    f"triton: cold compile of {kernel} in strict mode "
+                    f"(not in the cache at {os.path.dirname(self.cache_dir)})"
+                )
+            return group
+
+    return StrictFileCacheManager
+
+
+# ------------------------------------------------------------------------------ inductor
+
+
+def watch_inductor(strict: bool, megacache: Path | None) -> None:
+    """Count dynamo/inductor compiles; load a Mega-Cache when torch is imported."""
+    if megacache is not None:
+        when_imported("torch", lambda torch: _load_megacache(torch, megacache))
+    when_imported("torch._dynamo", _count_dynamo_compiles)
+    if strict:
+        when_imported("torch._inductor.codecache", _refuse_fx_graph_misses)
+
+
+def _load_megacache(torch: Any, path: Path) -> None:
+    """``torch.compiler.load_cache_artifacts``: fills the local caches before any compile."""
+    try:
+        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as exc:  # another torch's format, or a truncated file: compile instead
+        log.warning("kernelcache: Mega-Cache %s not loaded: %s: %s", path, type(exc).__name__, exc)
+        metrics.record_dropped("inductor", "megacache-unloadable")
+        return
+    loaded = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
+    log.info("kernelcache: Mega-Cache loaded: %d artifacts from %s", loaded, path)
+
+
+class _FrameCompile(threading.local):
+    """The dynamo compile in progress on this thread."""
+
+    kernel = ""
+    start = 0.0
+    counts: tuple[int, int, int] = (0, 0, 0)
+    refused = False
+
+
+_frame = _FrameCompile()
+
+
+def _fx_graph_counts() -> tuple[int, int, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return (
+        inductor["fxgraph_cache_miss"],
+        inductor["fxgraph_cache_bypass"],
+        inductor["fxgraph_cache_hit"],
+    )
+
+
+def _frame_name(compile_id: str) -> str:
+    """``forward (model.py:12)``: dynamo records each frame it traces as ``name path:line``."""
+    try:
+        from torch._dynamo.convert_frame import dynamo_tls
+
+        name, _, where = dynamo_tls.traced_frame_infos[-1].partition(" ")
+    except (ImportError, AttributeError, IndexError):
+        return f"frame {compile_id}"
+    return f"{name} ({os.path.basename(where)})"
+
+
+def _count_dynamo_compiles(dynamo: Any) -> None:
+    handler = getattr(dynamo, "callback_handler", None)
+    if handler is None:
+        log.warning("kernelcache: this torch has no dynamo compile callbacks: not counted")
+        return
+
+    def start(args: Any) -> None:
+        _frame.kernel = _frame_name(str(args.compile_id))
+        _frame.start = time.perf_counter()
+        _frame.counts = _fx_graph_counts()
+        _frame.refused = False
+
+    def end(_: Any) -> None:
+        now = _fx_graph_counts()
+        misses, bypasses, hits = (b - a for a, b in zip(_frame.counts, now, strict=True))
+        if misses or bypasses:
+            seconds = None if _frame.refused else time.perf_counter() - _frame.start
+            metrics.record_compile("inductor", _frame.kernel, seconds, count=misses + bypasses)
+        if hits:
+            metrics.record_hit("inductor", hits)
+
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+
+
+def _refuse_fx_graph_misses(codecache: Any) -> None:
+    cache = codecache.FxGraphCache
+    lookup = getattr(cache, "load_with_key", None)
+    if lookup is None:
+        log.warning("kernelcache: this torch's FX graph cache has no load_with_key: not refused")
+        return
+
+    def load_with_key(*args: Any, **kwargs: Any) -> Any:
+        graph, info = lookup(*args, **kwargs)
+        if graph is None and info.get("cache_state") == "miss":
+            _frame.refused = True
+            where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the default inductor cache")
+            raise _cold_compile_error(
+                f"inductor: cold compile of {_frame.kernel or 'a graph'} in strict mode "
+                f"(FX graph not in the cache at {where})"
+            )
+        return graph, info
+
+    cache.load_with_key = staticmethod(load_with_key)
+
+
+# ------------------------------------------------------------------------------ flashinfer
+
+
+def use_flashinfer_aot(aot_dir: Path) -> None:
+    """Make FlashInfer load prebuilt modules from ``aot_dir`` (``<name>/<name>.so``).
+
+    FlashInfer looks for AOT modules under ``flashinfer.jit.env.FLASHINFER_AOT_DIR`` (its
+    package's ``data/aot``), read at each lookup; installed jit-cache providers still apply.
+    """
+    when_imported("flashinfer.jit.env", lambda env: setattr(env, "FLASHINFER_AOT_DIR", aot_dir))
+
+
+class BuildLogTail:
+    """Counts the module builds that FlashInfer logs to ``FLASHINFER_JIT_BUILD_LOG``.
+
+    The file contract (FlashInfer 0.7.x): one JSON object per line with ``toolchain``,
+    ``name``, ``seconds``, ``pid`` and ``time``, appended by every process that shares the
+    file. Only this process's lines count, and a line below ``min_seconds`` is a warm load
+    (ninja found the module up to date), counted as a cache hit. Reading starts at the end of
+    the file as it was when the tail was created: earlier lines are other processes' history.
+    """
+
+    def __init__(self, path: Path, min_seconds: float, pid: int | None = None) -> None:
+        self.path = path
+        self.min_seconds = min_seconds
+        self.pid = os.getpid() if pid is None else pid
+        try:
+            self._offset = path.stat().st_size
+        except OSError:
+            self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> None:
+        """Count the lines appended since the last poll (a line still being written waits)."""
+        try:
+            with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # truncated or replaced
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return  # not created yet: nothing was built
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            self._count(line)
+
+    def _count(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+            if record.get("pid") != self.pid:
+                return
+            name, seconds = str(record["name"]), float(record["seconds"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return  # not a build record: FlashInfer's format is the contract, not our input
+        if seconds >= self.min_seconds:
+            metrics.record_compile("flashinfer", name, seconds)
+        else:
+            metrics.record_hit("flashinfer")
+
+    def start(self, interval: float) -> threading.Thread:
+        def follow() -> None:
+            while True:
+                self.poll()
+                time.sleep(interval)
+
+        thread = threading.Thread(target=follow, name="kernelcache-flashinfer-log", daemon=True)
+        thread.start()
+        return thread

@@ -1,0 +1,116 @@
+"""What a serving process compiled and what it took from the cache, as Prometheus metrics.
+
+The toolchain hooks record into this module's own registry (never prometheus-client's global
+one, so an engine's metrics and ours cannot collide or be exported twice), and the registry is
+rendered only when it is scraped. Nothing listens unless ``serve_metrics`` is called: importing
+this module, and every unit test, opens no port.
+
+Series (``toolchain`` is one of ``TOOLCHAINS``):
+
+- ``kernelcache_cold_compiles_total{toolchain,kernel}``: compiles the cache did not spare.
+  Strict mode's refusals count too: the kernel was needed and was not in the cache.
+- ``kernelcache_compile_seconds{toolchain}``: a histogram of the compiles that did run.
+- ``kernelcache_cache_hits_total{toolchain}``: kernels (or graphs, or modules) the cache gave.
+- ``kernelcache_generation_info{name,arch,generation,stamp}``: 1 for the generation in use.
+- ``kernelcache_stamp_mismatch``: 1 when the generation was stamped for another environment.
+- ``kernelcache_dropped_artifacts_total{toolchain,reason}``: artifacts of the generation that
+  could not be used (a Mega-Cache this torch refuses, say).
+
+The per-toolchain hit and histogram series exist at zero from the start, so the first event
+already shows up in ``rate()`` and ``increase()``. A per-kernel series is born with its first
+compile; the alert rules account for that (``prometheus/kernelcache-rules.yaml``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+log = logging.getLogger(__name__)
+
+TOOLCHAINS = ("cute-dsl", "triton", "inductor", "flashinfer")
+# A kernel label is a function or module name; anything longer is a bug upstream, not a name.
+_MAX_KERNEL_LABEL = 200
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+COLD_COMPILES = Counter(
+    "kernelcache_cold_compiles",
+    "Compiles in this process that the cache did not spare (refused ones in strict mode too).",
+    ["toolchain", "kernel"],
+    registry=REGISTRY,
+)
+COMPILE_SECONDS = Histogram(
+    "kernelcache_compile_seconds",
+    "Seconds spent in compiles that ran in this process.",
+    ["toolchain"],
+    # From a small cute.compile (~0.5 s) to a FlashInfer nvcc module or an autotuned graph.
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320),
+    registry=REGISTRY,
+)
+CACHE_HITS = Counter(
+    "kernelcache_cache_hits",
+    "Kernels, graphs or modules this process took from the cache instead of compiling.",
+    ["toolchain"],
+    registry=REGISTRY,
+)
+GENERATION_INFO = Gauge(
+    "kernelcache_generation_info",
+    "The cache generation this process serves from (always 1).",
+    ["name", "arch", "generation", "stamp"],
+    registry=REGISTRY,
+)
+STAMP_MISMATCH = Gauge(
+    "kernelcache_stamp_mismatch",
+    "1 when the generation's stamp differs from this environment (the caches will mostly miss).",
+    registry=REGISTRY,
+)
+DROPPED_ARTIFACTS = Counter(
+    "kernelcache_dropped_artifacts",
+    "Artifacts of the generation this process could not use.",
+    ["toolchain", "reason"],
+    registry=REGISTRY,
+)
+
+for _toolchain in TOOLCHAINS:
+    CACHE_HITS.labels(_toolchain)
+    COMPILE_SECONDS.labels(_toolchain)
+
+
+def record_compile(toolchain: str, kernel: str, seconds: float | None, count: int = 1) -> None:
+    """A compile the cache did not spare; ``seconds`` is None when strict mode refused it."""
+    kernel = kernel[:_MAX_KERNEL_LABEL]
+    COLD_COMPILES.labels(toolchain, kernel).inc(count)
+    if seconds is None:
+        log.warning("kernelcache: %s kernel %s not in the cache: refused", toolchain, kernel)
+        return
+    COMPILE_SECONDS.labels(toolchain).observe(seconds)
+    log.warning(
+        "kernelcache: cold compile in serving: %s kernel %s (%.2f s)", toolchain, kernel, seconds
+    )
+
+
+def record_hit(toolchain: str, count: int = 1) -> None:
+    CACHE_HITS.labels(toolchain).inc(count)
+
+
+def record_dropped(toolchain: str, reason: str) -> None:
+    DROPPED_ARTIFACTS.labels(toolchain, reason).inc()
+
+
+def set_generation(name: str, arch: str, generation: str, stamp: str, mismatch: bool) -> None:
+    GENERATION_INFO.labels(name, arch, generation, stamp).set(1)
+    STAMP_MISMATCH.set(1 if mismatch else 0)
+
+
+def render() -> bytes:
+    """The text exposition of every series, as a scrape would read it."""
+    return generate_latest(REGISTRY)
+
+
+def serve_metrics(port: int, address: str = "0.0.0.0") -> int:
+    """Serve ``/metrics`` from a daemon thread; the bound port (``port=0``: any free one)."""
+    server, _ = start_http_server(port, addr=address, registry=REGISTRY)
+    return int(server.server_port)

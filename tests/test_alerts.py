@@ -1,0 +1,57 @@
+"""The alert rules: valid for Prometheus, and each alert firing and not firing as intended.
+
+``prometheus/kernelcache-rules.test.yaml`` holds the cases; promtool evaluates them against
+``prometheus/kernelcache-rules.yaml`` (the file the Helm chart embeds).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+PROMTOOL = shutil.which("promtool")
+RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
+RULE_TESTS = REPO / "prometheus" / "kernelcache-rules.test.yaml"
+ALERTS = {"KernelCacheColdCompile", "KernelCacheCompileBudgetExceeded", "KernelCacheStampMismatch"}
+
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@needs_promtool
+def test_rules_are_valid():
+    proc = promtool("check", "rules", str(RULES))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
+
+
+@needs_promtool
+def test_every_alert_fires_and_stays_quiet_as_tested():
+    proc = promtool("test", "rules", str(RULE_TESTS))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+def test_every_alert_has_a_severity_a_runbook_and_both_tests():
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == ALERTS
+    tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    cases = [case for test in tests for case in test["alert_rule_test"]]
+    assert {c["alertname"] for c in cases if c["exp_alerts"]} == ALERTS  # each one fires
+    assert {c["alertname"] for c in cases if not c["exp_alerts"]} == ALERTS  # and stays quiet
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert set(rule["annotations"]) >= {"summary", "description", "runbook_url"}
+        anchor = rule["alert"].lower()
+        assert rule["annotations"]["runbook_url"] == (
+            f"https://kernelcache.dev/docs/operations#{anchor}"
+        )
