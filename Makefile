@@ -15,12 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cute,dev]'
 	touch $@
 
-# The tests also drive torch.compile and FlashInfer's JIT on the CPU. torch is pinned first:
+# The tests also drive torch.compile, Triton and FlashInfer's JIT on the CPU. torch is pinned first:
 # that release is the CPU build, where an unpinned torch (asked for by FlashInfer too) would
 # pull a multi-GB CUDA build.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q flashinfer-python==0.7.4
+	$(PY) -m pip install -q flashinfer-python==0.7.4 triton==3.6.0
 	$(PY) -m pip install -q -e '.[cute,dev]'
 	touch $@
 

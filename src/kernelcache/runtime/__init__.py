@@ -262,6 +262,8 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
 
     for name, subdir in CACHE_ENV.items():
         _set_default(runtime, name, str(files / subdir))
+    # Triton reads a saved autotune result only with autotune caching on.
+    _set_default(runtime, "TRITON_CACHE_AUTOTUNING", "1")
     aot = files / FLASHINFER_AOT_SUBDIR
     if aot.is_dir() and any(aot.iterdir()):
         hooks.use_flashinfer_aot(aot)

@@ -9,9 +9,10 @@ by importing it here. What each one sees, and what strict mode can enforce:
 - **triton**: ``triton.knobs.compilation.listener`` (Triton >= 3.4) is called by
   ``triton.compile`` with ``cache_hit`` telling a load from the on-disk cache from a real
   compile. (``knobs.runtime.jit_cache_hook`` and ``jit_post_compile_hook`` cannot tell them
-  apart: both run on every miss of the in-memory kernel cache, disk hits included.) Strict:
-  a cache manager whose group lookup refuses a kernel that is not on disk, which is the point
-  where ``triton.compile`` decides to compile; not installed over a ``TRITON_CACHE_MANAGER``
+  apart: both run on every miss of the in-memory kernel cache, disk hits included.) The
+  generation's cache is read through ``triton_cache_manager``, which finds a kernel's files
+  after the cache moved. Strict: its group lookup refuses a kernel that is not on disk, which
+  is where ``triton.compile`` decides to compile; not installed over a ``TRITON_CACHE_MANAGER``
   of the user's (then Triton compiles are counted only).
 - **inductor**: dynamo's compile start/end callbacks bracket each frame compile, and the
   FX-graph cache's own counters (``fxgraph_cache_miss``/``_hit``/``_bypass``) say whether it
@@ -103,29 +104,36 @@ def _install_triton(strict: bool) -> None:
             metrics.record_compile("triton", kernel, event["times"].total / 1e6)
 
     knobs.compilation.listener = listener
-    if not strict:
-        return
     if knobs.cache.manager_class is not None:
         log.warning(
-            "kernelcache: TRITON_CACHE_MANAGER is set: Triton compiles are counted, not refused"
+            "kernelcache: TRITON_CACHE_MANAGER is set: the generation's Triton cache is read by "
+            "that manager (not relocated) and Triton compiles are counted, not refused"
         )
         return
-    knobs.cache.manager_class = _strict_cache_manager()
+    knobs.cache.manager_class = triton_cache_manager(strict)
 
 
-def _strict_cache_manager() -> type:
+# ``TRITON_CACHE_MANAGER`` value for processes that use a generation without install().
+TRITON_CACHE_MANAGER = "kernelcache.runtime.hooks:GenerationCacheManager"
+
+
+def triton_cache_manager(strict: bool) -> type:
+    """Triton's file cache for a generation: relocatable, and refusing misses when strict.
+
+    A ``__grp__<kernel>.json`` group file lists the kernel's files by the absolute paths they
+    were first written to, and Triton drops every listed file that is not at that path: a
+    cache moved from the warm's staging dir into a generation and a serving pod would compile
+    every kernel again (into a read-only mount: an error). Every file of a kernel sits beside
+    its group file, so the file name is enough. In strict mode a kernel the cache does not
+    hold raises at the group lookup, the point where ``triton.compile`` decides to compile;
+    autotune results and launcher stubs use ``get_file`` and are not affected.
+    """
     from triton.runtime.cache import FileCacheManager
 
-    class StrictFileCacheManager(FileCacheManager):
-        """Triton's file cache that refuses, rather than reports, a kernel it does not hold.
-
-        ``triton.compile`` looks up ``<kernel>.json``'s group and compiles when it is absent;
-        autotune results and launcher stubs use ``get_file`` and are not affected.
-        """
-
+    class GenerationCacheManager(FileCacheManager):
         def get_group(self, filename: str) -> dict[str, str] | None:
-            group: dict[str, str] | None = super().get_group(filename)
-            if group is None or filename not in group:
+            group = self._group_beside(filename)
+            if strict and (group is None or filename not in group):
                 kernel = filename.removesuffix(".json")
                 metrics.record_compile("triton", kernel, None)
                 raise _cold_compile_error(
@@ -134,7 +142,27 @@ def _strict_cache_manager() -> type:
                 )
             return group
 
-    return StrictFileCacheManager
+        def _group_beside(self, filename: str) -> dict[str, str] | None:
+            group_file = self.get_file(f"__grp__{filename}")
+            if group_file is None:
+                return None
+            with open(group_file) as f:
+                children = json.load(f).get("child_paths")
+            if children is None:
+                return None
+            found = {name: self._make_path(os.path.basename(p)) for name, p in children.items()}
+            return {name: path for name, path in found.items() if os.path.exists(path)}
+
+    return GenerationCacheManager
+
+
+def __getattr__(name: str) -> Any:
+    # Made on first use: it subclasses Triton's cache manager, and this module must import
+    # where Triton is absent.
+    if name == "GenerationCacheManager":
+        cls = globals()[name] = triton_cache_manager(strict=False)
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------ inductor

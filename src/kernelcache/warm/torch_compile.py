@@ -1,0 +1,105 @@
+"""The torch-compile warmer: compile the spec's models and keep PyTorch's Mega-Cache.
+
+The entry points compile and call their models (``torch.compile``) with inductor's cache in
+``files/inductor`` and Triton's in ``files/triton``. What the warm produced is then taken as
+one portable blob, ``torch.compiler.save_cache_artifacts()`` (inductor FX graphs,
+AOTAutograd entries, autotune results and, on GPU, the Triton binaries inductor bundles with
+its graphs), written to ``files/torch-compile/megacache.bin``; ``megacache.json`` beside it
+lists the artifacts by kind for the report. A warm that recorded no artifact fails: a model
+that was not compiled, or compiled with caching off, would leave serving to compile again.
+
+The consumer contract (``kernelcache.runtime`` implements it): before the first compiled call,
+a serving process reads ``<generation>/files/torch-compile/megacache.bin`` and passes the bytes
+to ``torch.compiler.load_cache_artifacts``. That writes the entries into the process's own,
+writable ``TORCHINDUCTOR_CACHE_DIR`` (and Triton's cache), and the compile that follows is a
+cache hit (``fxgraph_cache_hit``, ``autograd_cache_hit``) instead of an inductor compile.
+Loading after a model was compiled does not help that model. The artifacts are valid only for
+the same torch build (a stamp factor) and, for GPU kernels, the same arch. The ``inductor/``
+tree is the warm process's own cache, kept for inspection: inductor writes lock files into
+its cache directory, so a read-only generation cannot be one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernelcache.errors import WarmError
+from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport
+from kernelcache.warm.triton import (
+    call_entry_points,
+    entry_point_sources,
+    record_growth,
+    scoped_env,
+    snapshot,
+)
+
+SUBDIR = "torch-compile"
+MEGACACHE = "megacache.bin"
+MEGACACHE_INFO = "megacache.json"
+CACHE_DIRS = {var: CACHE_ENV[var] for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
+@dataclass
+class TorchCompileReport(WarmerReport):
+    """The warm report plus the Mega-Cache's artifacts by kind (inductor, aot_autograd, ...)."""
+
+    megacache: dict[str, int] = field(default_factory=dict)
+
+
+def artifact_count(info_path: Path) -> int:
+    """Artifacts listed in a ``megacache.json``; 0 when there is none yet."""
+    if not info_path.exists():
+        return 0
+    info = json.loads(info_path.read_text())
+    return sum(len(keys) for keys in info["artifacts"].values())
+
+
+class TorchCompileWarmer(Warmer):
+    type = "torch-compile"
+
+    @property
+    def label(self) -> str:
+        return f"torch-compile {','.join(self.config.entry_points)}"
+
+    def sources(self) -> dict[str, str]:
+        return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
+
+    def run(self, files_dir: Path, arch: str) -> WarmerReport:
+        out = files_dir / SUBDIR
+        out.mkdir(parents=True, exist_ok=True)
+        subdirs = [*CACHE_DIRS.values(), SUBDIR]
+        before = snapshot(files_dir, subdirs)
+        # Save-artifacts accumulates over the process: an earlier torch-compile warmer's
+        # artifacts are in this blob too, so count what this one added.
+        earlier = artifact_count(out / MEGACACHE_INFO)
+        report = TorchCompileReport(warmer=self.label)
+        start = time.perf_counter()
+        env = {var: str(files_dir / sub) for var, sub in CACHE_DIRS.items()}
+        with scoped_env({**self.config.env, **env}):
+            import torch
+            from torch._dynamo.utils import counters
+
+            misses = counters["inductor"]["fxgraph_cache_miss"]
+            report.kernels = call_entry_points(
+                self.type, self.config.entry_points, self.spec_dir, self.config.workload, arch
+            )
+            report.compiled = counters["inductor"]["fxgraph_cache_miss"] - misses
+            saved = torch.compiler.save_cache_artifacts()
+        if saved is None or not saved[0]:
+            raise WarmError(f"{self.label} produced no cache artifacts for {arch}")
+        blob, info = saved
+        artifacts: dict[str, Any] = {kind: list(keys) for kind, keys in info.artifacts.items()}
+        if sum(map(len, artifacts.values())) <= earlier:
+            raise WarmError(f"{self.label} produced no cache artifacts for {arch}")
+        report.megacache = {kind: len(keys) for kind, keys in sorted(artifacts.items())}
+        (out / MEGACACHE).write_bytes(blob)
+        summary = {"bytes": len(blob), "artifacts": artifacts}
+        (out / MEGACACHE_INFO).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        report.seconds = round(time.perf_counter() - start, 3)
+        after = snapshot(files_dir, subdirs)
+        record_growth(report, files_dir, {p: n for p, n in after.items() if before.get(p) != n})
+        return report

@@ -1,0 +1,163 @@
+"""The torch-compile warmer through the real CLI, with real torch.compile.
+
+On the CPU (inductor's C++ backend; needs a C++ compiler) a build keeps PyTorch's Mega-Cache
+in the generation; a fresh process that loads it before its first compiled call hits
+inductor's FX graph and AOTAutograd caches instead of compiling, and one without it compiles.
+The same on a GPU, in max-autotune mode, is marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kernelcache.errors import ExitCode
+from kernelcache.store import Store
+from tests.conftest import EXAMPLES, subprocess_env
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+CPU_WORKLOAD = {
+    "batch_sizes": [8],
+    "features": 32,
+    "hidden": 64,
+    "dtype": "float32",
+    "device": "cpu",
+}
+KEY = "default/tc/sm_90a"
+
+
+def cuda_available() -> bool:
+    if not HAVE_TORCH:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def write_spec(tmp_path: Path, warmer: dict[str, Any], arch: str = "sm_90a") -> Path:
+    doc = {
+        "apiVersion": "kernelcache.dev/v1alpha1",
+        "kind": "KernelCache",
+        "metadata": {"name": "tc"},
+        "spec": {
+            "model": "example/mlp",
+            "engine": {"image": "example:1"},
+            "gpuClasses": [{"name": "gpu", "arch": arch}],
+            "warmers": [{"type": "torch-compile", **warmer}],
+        },
+    }
+    spec = tmp_path / "kc.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    return spec
+
+
+def kernelcache(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def serve(cache_dir: Path, workload: dict[str, Any], megacache: Path | None) -> subprocess.Popen:
+    """examples/torch_models.py as a fresh serving process with its own empty inductor cache."""
+    args = [sys.executable, str(EXAMPLES / "torch_models.py"), "--workload", json.dumps(workload)]
+    if megacache is not None:
+        args += ["--megacache", str(megacache)]
+    return subprocess.Popen(
+        args,
+        env=subprocess_env(
+            TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton")
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def counters_of(proc: subprocess.Popen) -> tuple[int, dict[str, Any]]:
+    stdout, stderr = proc.communicate(timeout=600)
+    lines = stdout.strip().splitlines()
+    assert lines, stderr
+    return proc.returncode, json.loads(lines[-1])
+
+
+def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[dict, dict, dict]:
+    """Build, then serve with and without the Mega-Cache (side by side); the three reports."""
+    spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": workload}, arch)
+    store = tmp_path / "store"
+    proc = kernelcache("build", "-f", str(spec), "--store", str(store))
+    assert proc.returncode == 0, proc.stderr
+    key = f"default/tc/{arch}"
+    manifest = Store(store).current_manifest(key)
+    assert manifest is not None
+    paths = {f.path for f in manifest.files}
+    assert {"torch-compile/megacache.bin", "torch-compile/megacache.json"} <= paths
+    assert any(p.startswith("inductor/fxgraph/") for p in paths)
+    assert any(p.startswith("inductor/aotautograd/") for p in paths)
+    (report,) = manifest.report["warmers"]
+
+    megacache = Store(store).current(key) / "files" / "torch-compile" / "megacache.bin"
+    with_cache = serve(tmp_path / "served-with", workload, megacache)
+    without = serve(tmp_path / "served-without", workload, None)
+    code_with, hits = counters_of(with_cache)
+    code_without, misses = counters_of(without)
+    assert code_with == 0, hits
+    assert code_without == 1, misses
+    return report, hits, misses
+
+
+def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothing(tmp_path):
+    report, served, cold = build_and_serve(tmp_path, CPU_WORKLOAD, "sm_90a")
+    assert report["compiled"] == 1
+    assert report["kernels"] == ["mlp[float32,32x64,batch=8]"]
+    assert report["megacache"] == {"aot_autograd": 1, "inductor": 1}
+    assert {"inductor", "torch-compile"} <= set(report["dirs"])
+
+    assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
+    assert served["autograd_cache_hit"] >= 1 and served["autograd_cache_miss"] == 0
+    assert cold["fxgraph_cache_miss"] >= 1 and cold["fxgraph_cache_hit"] == 0
+
+
+def test_a_warm_that_compiles_nothing_fails_in_one_line(tmp_path):
+    (tmp_path / "idle_model.py").write_text("def warm(workload):\n    return []\n")
+    spec = write_spec(tmp_path, {"entryPoints": ["idle_model:warm"]})
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.WARM_FAILED
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "torch-compile idle_model:warm produced no cache artifacts for sm_90a" in lines[0]
+    assert Store(tmp_path / "s").current(KEY) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (max-autotune compiles for it)")
+def test_max_autotune_on_the_gpu_is_served_from_the_megacache(tmp_path):
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    workload = {
+        "batch_sizes": [8],
+        "features": 256,
+        "hidden": 1024,
+        "dtype": "bfloat16",
+        "device": "cuda",
+    }
+    report, served, cold = build_and_serve(tmp_path, workload, arch)
+    assert report["compiled"] == 1 and report["megacache"]["inductor"] == 1
+    assert "triton" in report["dirs"]
+    assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
+    assert cold["fxgraph_cache_miss"] >= 1
+    assert served["seconds"] < cold["seconds"]
