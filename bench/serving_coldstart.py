@@ -1,0 +1,246 @@
+"""Serving cold start: fresh processes with and without a warmed generation, per toolchain.
+
+For a CuTe-DSL GEMM, a Triton matmul autotuned over 8 configs and a torch.compile
+max-autotune MLP, each on a GPU:
+
+1. ``kernelcache warm`` builds a generation with that toolchain's warmer and
+   ``kernelcache verify --materialize`` copies it out, as the init-container would;
+2. a cold fresh process (empty caches) and a warm one (``KERNELCACHE_DIR`` = the materialized
+   generation, ``kernelcache.runtime.install()``) each run the same code to a first result
+   checked against torch, counted by the runtime's compile metrics.
+
+Reported per toolchain: kernel-ready seconds (from the first call to a correct result: the
+compile, load and autotune that a request would wait for), compile events, and the whole
+process wall time. Targets: zero compile events warm; kernel-ready speed-up >= 100x for
+CuTe-DSL, >= 10x for Triton, >= 8x for torch.compile.
+
+    python bench/serving_coldstart.py --json out.json [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+ARCH = "sm_90a"
+
+CASES: dict[str, dict[str, Any]] = {
+    "cute-dsl": {"entry": "cute_gemm:warm", "workload": {"shapes": [[2048, 2048, 2048]]}},
+    "triton": {
+        "entry": "triton_kernels:warm",
+        "workload": {"shapes": [[2048, 2048, 2048]], "dtypes": ["float16"]},
+    },
+    "torch-compile": {
+        "entry": "torch_models:warm",
+        "workload": {"batch_sizes": [64], "features": 1024, "hidden": 4096, "dtype": "bfloat16"},
+    },
+}
+TARGETS = {"cute-dsl": 100.0, "triton": 10.0, "torch-compile": 8.0}
+
+
+def env_for(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUTE_DSL_ARCH=ARCH)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(EXAMPLES), str(REPO / "src"), env.get("PYTHONPATH", "")]
+    )
+    env.update(extra)
+    return env
+
+
+def spec_text(toolchain: str) -> str:
+    case = CASES[toolchain]
+    return json.dumps(
+        {
+            "apiVersion": "kernelcache.dev/v1alpha1",
+            "kind": "KernelCache",
+            "metadata": {"name": toolchain.replace("-", ""), "namespace": "bench"},
+            "spec": {
+                "model": "bench/serving-coldstart",
+                "engine": {"image": "bench"},
+                "gpuClasses": [{"name": "h200", "arch": ARCH}],
+                "warmers": [
+                    {
+                        "type": toolchain,
+                        "entryPoints": [case["entry"]],
+                        "workload": case["workload"],
+                    }
+                ],
+            },
+        }
+    )
+
+
+def kernelcache(*args: str) -> None:
+    cmd = [sys.executable, "-m", "kernelcache", *args]
+    proc = subprocess.run(cmd, env=env_for({}), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:1])} failed: {proc.stderr.strip()}")
+
+
+def build_generation(toolchain: str, work: Path) -> tuple[Path, float]:
+    """Warm, publish, verify and materialize one toolchain's generation."""
+    spec = work / f"{toolchain}.yaml"
+    spec.write_text(spec_text(toolchain))
+    store, target = work / "store", work / f"serve-{toolchain}"
+    target.mkdir()
+    start = time.perf_counter()
+    kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", ARCH)
+    built = time.perf_counter() - start
+    key = f"bench/{toolchain.replace('-', '')}/{ARCH}"
+    kernelcache("verify", "--store", str(store), "--key", key, "--materialize", str(target))
+    (generation,) = [p for p in target.iterdir() if p.is_dir()]
+    return generation, built
+
+
+def serve(toolchain: str, generation: Path | None, work: Path) -> dict[str, Any]:
+    """One fresh serving process; cold ones get empty cache dirs of their own."""
+    if generation is None:
+        empty = Path(tempfile.mkdtemp(dir=work, prefix=f"cold-{toolchain}-"))
+        extra = {
+            "TRITON_CACHE_DIR": str(empty / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(empty / "inductor"),
+            "KERNELCACHE_CUTE_DSL_DIR": str(empty / "cute-dsl"),
+            "FLASHINFER_WORKSPACE_BASE": str(empty / "flashinfer"),
+        }
+    else:
+        extra = {"KERNELCACHE_DIR": str(generation)}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", toolchain],
+        env=env_for(extra),
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{toolchain} serve failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_seconds"] = wall
+    return result
+
+
+def child(toolchain: str) -> None:
+    """The serving process: runtime installed, then the first correct result, timed."""
+    from kernelcache import runtime
+    from kernelcache.runtime import metrics
+
+    runtime.install()
+    import torch
+
+    torch.cuda.init()
+    case = CASES[toolchain]
+    start = time.perf_counter()
+    if toolchain == "cute-dsl":
+        names = cute_first_result(case["workload"])
+    else:
+        module_name, _, fn_name = case["entry"].partition(":")
+        module = __import__(module_name)
+        names = getattr(module, fn_name)(case["workload"])
+    torch.cuda.synchronize()
+    ready = time.perf_counter() - start
+    compiles = sum(
+        sample.value
+        for family in metrics.REGISTRY.collect()
+        if family.name == "kernelcache_cold_compiles"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+    print(json.dumps({"kernels": names, "ready_seconds": ready, "compile_events": compiles}))
+
+
+def cute_first_result(workload: dict[str, Any]) -> list[str]:
+    """Compile (or load) the GEMM, run it on real tensors and check it against torch."""
+    import cute_gemm
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    names = []
+    for name, fn, args in cute_gemm.specializations(workload):
+        compiled = cute.compile(fn, *args)
+        (m, k), (_, n) = args[0].shape, args[1].shape
+        a = torch.randn(m, k, device="cuda")
+        b = torch.randn(k, n, device="cuda")
+        c = torch.zeros(m, n, device="cuda")
+        compiled(*(from_dlpack(t, assumed_align=16) for t in (a, b, c)))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.testing.assert_close(c, a @ b, atol=1e-2, rtol=1e-3)
+        names.append(name)
+    return names
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    cold = [results[n]["cold"]["ready_seconds"] for n in names]
+    warm = [results[n]["warm"]["ready_seconds"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], cold, width=0.4, label="cold (no cache)")
+    ax.bar([x + 0.2 for x in xs], warm, width=0.4, label="warm (kernelcache generation)")
+    ax.set_xticks(list(xs), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds to first correct result (log)")
+    for x, (c, w) in enumerate(zip(cold, warm, strict=True)):
+        ax.annotate(f"{c / w:.0f}x", (x, max(c, w)), ha="center", va="bottom")
+    ax.legend()
+    ax.set_title("Serving cold start on one H200: kernel-ready time per toolchain")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
+    parser.add_argument("--only", action="append", choices=list(CASES))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--from-json", type=Path, help="only re-plot saved results")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return 0
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())["results"]
+    else:
+        results = {}
+        with tempfile.TemporaryDirectory(prefix="kc-coldstart-") as tmp:
+            for toolchain in args.only or list(CASES):
+                generation, built = build_generation(toolchain, Path(tmp))
+                cold = serve(toolchain, None, Path(tmp))
+                warm = serve(toolchain, generation, Path(tmp))
+                results[toolchain] = {"build_seconds": built, "cold": cold, "warm": warm}
+                print(f"{toolchain}: {json.dumps(results[toolchain])}", file=sys.stderr, flush=True)
+                if args.json:  # after each toolchain, so a cut-short run keeps what it measured
+                    args.json.write_text(json.dumps({"arch": ARCH, "results": results}, indent=1))
+    print(f"{'toolchain':14} {'cold s':>8} {'warm s':>8} {'speed-up':>9} {'target':>7} "
+          f"{'compiles cold/warm':>19} {'process cold/warm s':>20}")  # fmt: skip
+    for name, r in results.items():
+        cold, warm = r["cold"], r["warm"]
+        ratio = cold["ready_seconds"] / warm["ready_seconds"]
+        print(
+            f"{name:14} {cold['ready_seconds']:8.3f} {warm['ready_seconds']:8.3f} "
+            f"{ratio:8.0f}x {TARGETS[name]:6.0f}x "
+            f"{cold['compile_events']:>9.0f}/{warm['compile_events']:<9.0f} "
+            f"{cold['wall_seconds']:>9.1f}/{warm['wall_seconds']:<9.1f}"
+        )
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
