@@ -9,10 +9,11 @@ max-autotune MLP, each on a GPU:
    generation, ``kernelcache.runtime.install()``) each run the same code to a first result
    checked against torch, counted by the runtime's compile metrics.
 
-Reported per toolchain: kernel-ready seconds (from the first call to a correct result: the
-compile, load and autotune that a request would wait for), compile events, and the whole
-process wall time. Targets: zero compile events warm; kernel-ready speed-up >= 100x for
-CuTe-DSL, >= 10x for Triton, >= 8x for torch.compile.
+Reported per toolchain: kernel-ready seconds (from ``runtime.install()`` to a first correct
+result: the cache load, compile and autotune that a request would wait for; the CUDA context
+and cuBLAS are up before the clock starts), compile events, and the whole process wall time.
+Targets: zero compile events warm; kernel-ready speed-up >= 100x for CuTe-DSL, >= 10x for
+Triton, >= 8x for torch.compile.
 
     python bench/serving_coldstart.py --json out.json [--plot out.png]
 """
@@ -129,16 +130,23 @@ def serve(toolchain: str, generation: Path | None, work: Path) -> dict[str, Any]
 
 
 def child(toolchain: str) -> None:
-    """The serving process: runtime installed, then the first correct result, timed."""
-    from kernelcache import runtime
-    from kernelcache.runtime import metrics
+    """The serving process, timed from the runtime's install to a first correct result.
 
-    runtime.install()
+    The CUDA context and cuBLAS (used by the torch reference check) are brought up before
+    the clock starts: they cost the same with or without a cache. ``runtime.install()`` is
+    inside the window, since loading a generation (the torch Mega-Cache) is part of the cost.
+    """
     import torch
 
     torch.cuda.init()
+    x = torch.ones(64, 64, device="cuda")
+    (x @ x).sum().item()
+    from kernelcache import runtime
+    from kernelcache.runtime import metrics
+
     case = CASES[toolchain]
     start = time.perf_counter()
+    runtime.install()
     if toolchain == "cute-dsl":
         names = cute_first_result(case["workload"])
     else:
