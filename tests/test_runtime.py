@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import socket
 import subprocess
 import sys
@@ -90,22 +91,38 @@ def serve(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, Samples]
     return proc, parse(text) if marker else {}
 
 
-def with_pth_hook(base: Path, pythonpath: str | None = None) -> dict[str, str]:
-    """The environment of a Python that runs the ``.pth`` hook at start, as an installed one does.
+@pytest.fixture
+def pth_hook(tmp_path):
+    """Install the ``.pth`` hook where a child Python runs it at start, as an installed one does.
 
-    The hook sits in a user site directory under ``base``. Python reads that one before the
-    system site-packages, where kernelcache's dependencies are, so those go on PYTHONPATH
-    (installed in one site-packages, kernelcache, its dependencies and the hook come together).
+    Outside a virtualenv the hook goes into a user site directory of its own. A virtualenv
+    ignores user site directories, so there it goes into the venv's own site-packages for the
+    test (inert there: it acts only when ``KERNELCACHE_RUNTIME=1``) and is removed after.
+    Returns a function giving the child's environment.
     """
-    site_dir = Path(sysconfig.get_path("purelib", f"{os.name}_user", vars={"userbase": str(base)}))
+    if site.ENABLE_USER_SITE:
+        base = tmp_path / "userbase"
+        vars_ = {"userbase": str(base)}
+        site_dir = Path(sysconfig.get_path("purelib", f"{os.name}_user", vars=vars_))
+        extra = {"PYTHONUSERBASE": str(base)}
+    else:
+        site_dir, extra = Path(sysconfig.get_path("purelib")), {}
     site_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(PTH, site_dir / PTH.name)
-    path = pythonpath or subprocess_env()["PYTHONPATH"]
-    return {
-        "PYTHONUSERBASE": str(base),
-        "PYTHONPATH": os.pathsep.join([path, sysconfig.get_path("purelib")]),
-        "KERNELCACHE_RUNTIME": "1",
-    }
+    installed = site_dir / f"zz_test_{os.getpid()}_{PTH.name}"
+    shutil.copy(PTH, installed)
+
+    def env_for(pythonpath: str | None = None) -> dict[str, str]:
+        # Python reads a user site before the system site-packages, where kernelcache's
+        # dependencies are, so those go on PYTHONPATH too.
+        path = pythonpath or subprocess_env()["PYTHONPATH"]
+        return {
+            **extra,
+            "PYTHONPATH": os.pathsep.join([path, sysconfig.get_path("purelib")]),
+            "KERNELCACHE_RUNTIME": "1",
+        }
+
+    yield env_for
+    installed.unlink()
 
 
 def make_generation(root: Path, files: dict[str, bytes], **factors: str) -> Path:
@@ -292,7 +309,9 @@ def test_strict_mode_refuses_a_kernel_missing_from_the_generation_in_one_line(cu
 
 
 @needs_cute
-def test_stamp_mismatch_is_a_metric_and_a_line_and_strict_refuses(cute_generation, tmp_path):
+def test_stamp_mismatch_is_a_metric_and_a_line_and_strict_refuses(
+    cute_generation, tmp_path, pth_hook
+):
     edited = tmp_path / "kernels"
     edited.mkdir()
     source = (EXAMPLES / "demo_kernels.py").read_text() + "\n# edited after the build\n"
@@ -310,7 +329,7 @@ def test_stamp_mismatch_is_a_metric_and_a_line_and_strict_refuses(cute_generatio
     assert set(kernels(samples, "cute-dsl")) == {"demo_kernels:add", "demo_kernels:scale_tiled"}
 
     # Strict, installed by the .pth hook at interpreter start: refuses before the script runs.
-    env |= with_pth_hook(tmp_path / "userbase", env["PYTHONPATH"])
+    env |= pth_hook(env["PYTHONPATH"])
     refused, _ = serve("--cute", json.dumps(SMALL_WORKLOAD), KERNELCACHE_STRICT="1", **env)
     assert refused.returncode == ExitCode.STAMP_MISMATCH, refused.stderr
     assert refused.stdout == ""
@@ -319,9 +338,9 @@ def test_stamp_mismatch_is_a_metric_and_a_line_and_strict_refuses(cute_generatio
 
 
 @needs_cute
-def test_metrics_endpoint_serves_every_series_with_its_labels(cute_generation, tmp_path):
+def test_metrics_endpoint_serves_every_series_with_its_labels(cute_generation, tmp_path, pth_hook):
     port = free_port()
-    env = with_pth_hook(tmp_path / "userbase") | {
+    env = pth_hook() | {
         "KERNELCACHE_DIR": str(cute_generation),
         "KERNELCACHE_METRICS_PORT": str(port),
         "KERNELCACHE_METRICS_ADDRESS": "127.0.0.1",
