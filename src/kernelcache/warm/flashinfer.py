@@ -28,20 +28,23 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from kernelcache.errors import WarmError
-from kernelcache.stamp import source_digest
-from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport, dir_usage
-from kernelcache.warm.cute_dsl import resolve_entry_point
+from kernelcache.warm import (
+    CACHE_ENV,
+    Warmer,
+    WarmerReport,
+    dir_usage,
+    resolve_entry_point,
+    scoped_env,
+)
 
 SUBDIR = CACHE_ENV["FLASHINFER_WORKSPACE_BASE"]
 AOT_SUBDIR = "aot"
@@ -257,19 +260,6 @@ class FlashInferReport(WarmerReport):
 class FlashInferWarmer(Warmer):
     type = "flashinfer"
 
-    @property
-    def label(self) -> str:
-        return f"flashinfer {','.join(self.config.entry_points)}"
-
-    def sources(self) -> dict[str, str]:
-        if self.spec_dir is not None and str(self.spec_dir) not in sys.path:
-            sys.path.insert(0, str(self.spec_dir))
-        modules = {ep.partition(":")[0] for ep in self.config.entry_points}
-        try:
-            return {m: source_digest(m) for m in sorted(modules)}
-        except Exception as exc:  # a module that cannot be found cannot be keyed
-            raise WarmError(f"flashinfer warmer: cannot digest source: {exc}") from exc
-
     def run(self, files_dir: Path, arch: str) -> FlashInferReport:
         expected_modules, expect_tactics = self._declared()
         tune = self.config.workload.get("tune") is True
@@ -289,7 +279,7 @@ class FlashInferWarmer(Warmer):
                 "CUTE_DSL_ARCH": arch,
                 "KERNELCACHE_ARCH": arch,
             }
-            with _environ(env):
+            with scoped_env(env):
                 jit_env = _import_flashinfer(base)
                 gpu = _tuning_gpu(arch) if tune else None
                 tactics = tactics_file(base, gpu) if gpu is not None else None
@@ -357,21 +347,6 @@ class FlashInferWarmer(Warmer):
                 f"{_summary(exc)}"
             ) from exc
         return list(names or [])
-
-
-@contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set variables for the warm and restore them after: the build log is deleted then."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _import_flashinfer(base: Path) -> ModuleType:

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache.errors import WarmError
-from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport
-from kernelcache.warm.triton import (
+from kernelcache.warm import (
+    CACHE_ENV,
+    Warmer,
+    WarmerReport,
     call_entry_points,
-    entry_point_sources,
     record_growth,
     scoped_env,
     snapshot,
@@ -60,13 +61,6 @@ def artifact_count(info_path: Path) -> int:
 
 class TorchCompileWarmer(Warmer):
     type = "torch-compile"
-
-    @property
-    def label(self) -> str:
-        return f"torch-compile {','.join(self.config.entry_points)}"
-
-    def sources(self) -> dict[str, str]:
-        return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
 
     def run(self, files_dir: Path, arch: str) -> WarmerReport:
         out = files_dir / SUBDIR

@@ -35,19 +35,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernelcache.errors import WarmError
-from kernelcache.stamp import source_digest
-from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport
-from kernelcache.warm.cute_dsl import resolve_entry_point
+from kernelcache.warm import (
+    CACHE_ENV,
+    Warmer,
+    WarmerReport,
+    call_entry_points,
+    record_growth,
+    scoped_env,
+    snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,80 +67,6 @@ class TritonReport(WarmerReport):
 
     autotuned: list[str] = field(default_factory=list)  # kernels whose tuning was saved
     not_cacheable: list[str] = field(default_factory=list)  # kernels that re-tune every time
-
-
-# Helpers shared by the warmers that call Python entry points in-process.
-
-
-def entry_point_sources(
-    kind: str, entry_points: Iterable[str], spec_dir: Path | None
-) -> dict[str, str]:
-    """Digests of the entry points' modules: stamp factors ``source/<module>``."""
-    if spec_dir is not None and str(spec_dir) not in sys.path:
-        sys.path.insert(0, str(spec_dir))
-    modules = sorted({ep.partition(":")[0] for ep in entry_points})
-    try:
-        return {m: source_digest(m) for m in modules}
-    except Exception as exc:  # a module that cannot be found cannot be keyed
-        raise WarmError(f"{kind} warmer: cannot digest source: {exc}") from exc
-
-
-def call_entry_points(
-    kind: str,
-    entry_points: Iterable[str],
-    spec_dir: Path | None,
-    workload: Mapping[str, Any],
-    arch: str,
-) -> list[str]:
-    """Call each entry point with a copy of the workload; the kernel names they return."""
-    names: list[str] = []
-    for entry_point in entry_points:
-        fn = resolve_entry_point(entry_point, spec_dir)
-        try:
-            returned = fn(dict(workload))
-        except Exception as exc:
-            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-            raise WarmError(
-                f"{kind} entry point {entry_point} failed for {arch}: {detail}"
-            ) from exc
-        names.extend(returned or [])
-    return names
-
-
-@contextlib.contextmanager
-def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of a warmer, then put the old ones back."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def snapshot(files_dir: Path, subdirs: Iterable[str]) -> dict[Path, int]:
-    """Every regular file below the given subdirectories of ``files_dir``, and its size."""
-    return {
-        p: p.stat().st_size
-        for sub in subdirs
-        if (files_dir / sub).is_dir()
-        for p in (files_dir / sub).rglob("*")
-        if p.is_file() and not p.is_symlink()
-    }
-
-
-def record_growth(report: WarmerReport, files_dir: Path, grown: Mapping[Path, int]) -> None:
-    """Count the files a warmer added or changed into its report, per subdirectory."""
-    report.files, report.bytes = len(grown), sum(grown.values())
-    for path, size in grown.items():
-        sub = path.relative_to(files_dir).parts[0]
-        usage = report.dirs.setdefault(sub, {"files": 0, "bytes": 0})
-        usage["files"] += 1
-        usage["bytes"] += size
 
 
 # Triton-specific.
@@ -216,13 +146,6 @@ class TritonWatch:
 
 class TritonWarmer(Warmer):
     type = "triton"
-
-    @property
-    def label(self) -> str:
-        return f"triton {','.join(self.config.entry_points)}"
-
-    def sources(self) -> dict[str, str]:
-        return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
 
     def run(self, files_dir: Path, arch: str) -> WarmerReport:
         target = files_dir / SUBDIR
