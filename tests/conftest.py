@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -31,3 +34,42 @@ def subprocess_env(**overrides: str) -> dict[str, str]:
     ).rstrip(os.pathsep)
     env.update(overrides)
     return env
+
+
+def run_kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """The real CLI in a fresh process, as a user or a Job runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", *args],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=900,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The failure's only stderr line; fails the test on a traceback or a multi-line error."""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def write_warmer_spec(
+    tmp_path: Path, warmer: dict[str, Any], arch: str = "sm_90a", name: str = "kc"
+) -> Path:
+    """A one-arch KernelCache with a single warmer, written to ``tmp_path/kc.yaml``."""
+    doc = {
+        "apiVersion": "kernelcache.dev/v1alpha1",
+        "kind": "KernelCache",
+        "metadata": {"name": name},
+        "spec": {
+            "model": f"example/{name}",
+            "engine": {"image": "example:1"},
+            "gpuClasses": [{"name": "gpu", "arch": arch}],
+            "warmers": [warmer],
+        },
+    }
+    spec = tmp_path / "kc.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    return spec

@@ -16,22 +16,12 @@ import yaml
 
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store, verify
-from tests.conftest import EXAMPLES, needs_cute, subprocess_env
+from tests.conftest import EXAMPLES, needs_cute, one_line_error, subprocess_env
+from tests.conftest import run_kernelcache as kernelcache
 
 pytestmark = needs_cute
 
 SMALL_WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float16"], "tiles": [[32, 32]]}
-
-
-def kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kernelcache", *args],
-        env=subprocess_env(**env),
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=600,
-    )
 
 
 def write_spec(tmp_path: Path, **changes) -> Path:
@@ -50,13 +40,6 @@ def write_spec(tmp_path: Path, **changes) -> Path:
         if not (tmp_path / example).exists():
             (tmp_path / example).write_text((EXAMPLES / example).read_text())
     return spec
-
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    return lines[0]
 
 
 def test_build_publishes_every_arch_and_verifies(tmp_path):

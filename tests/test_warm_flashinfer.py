@@ -31,6 +31,7 @@ from kernelcache.warm.flashinfer import (
     tactics_file,
 )
 from tests.conftest import EXAMPLES, subprocess_env
+from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_flashinfer = pytest.mark.skipif(
@@ -401,16 +402,6 @@ def link_env(tmp_path: Path) -> dict[str, str]:
         )  # fmt: skip
         env["LIBRARY_PATH"] = str(stub)
     return env
-
-
-def kernelcache(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kernelcache", *args],
-        env=subprocess_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 @needs_flashinfer

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store
-from tests.conftest import EXAMPLES, subprocess_env
+from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
+from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
@@ -44,30 +44,7 @@ def cuda_available() -> bool:
 
 
 def write_spec(tmp_path: Path, warmer: dict[str, Any], arch: str = "sm_90a") -> Path:
-    doc = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": "tc"},
-        "spec": {
-            "model": "example/mlp",
-            "engine": {"image": "example:1"},
-            "gpuClasses": [{"name": "gpu", "arch": arch}],
-            "warmers": [{"type": "torch-compile", **warmer}],
-        },
-    }
-    spec = tmp_path / "kc.yaml"
-    spec.write_text(yaml.safe_dump(doc))
-    return spec
-
-
-def kernelcache(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kernelcache", *args],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return write_warmer_spec(tmp_path, {"type": "torch-compile", **warmer}, arch, name="tc")
 
 
 def serve(cache_dir: Path, workload: dict[str, Any], megacache: Path | None) -> subprocess.Popen:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kernelcache.errors import ExitCode, WarmError
 from kernelcache.store import Store
-from tests.conftest import EXAMPLES, subprocess_env
+from tests.conftest import EXAMPLES, one_line_error, subprocess_env, write_warmer_spec
+from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -48,36 +48,7 @@ needs_gpu = pytest.mark.skipif(
 
 
 def write_spec(tmp_path: Path, warmer: dict[str, Any], arch: str) -> Path:
-    doc = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": "tt"},
-        "spec": {
-            "model": "example/matmul",
-            "engine": {"image": "example:1"},
-            "gpuClasses": [{"name": "gpu", "arch": arch}],
-            "warmers": [{"type": "triton", **warmer}],
-        },
-    }
-    spec = tmp_path / "kc.yaml"
-    spec.write_text(yaml.safe_dump(doc))
-    return spec
-
-
-def kernelcache(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kernelcache", *args],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
+    return write_warmer_spec(tmp_path, {"type": "triton", **warmer}, arch, name="tt")
 
 
 # Without a GPU.
