@@ -52,6 +52,7 @@ crds: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py
 	$(PY) bench/verify_throughput.py
+	$(PY) bench/verify_coldstart.py
 
 clean:
 	rm -rf $(VENV) $(STORE) $(SERVE_DIR)

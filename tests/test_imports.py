@@ -51,7 +51,8 @@ def test_verify_and_materialize_run_without_torch_or_dsl(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "verified: 1 files" in proc.stdout
-    assert (next(target.iterdir()) / "files" / "cute-dsl" / "k.o").exists()
+    (generation,) = [p for p in target.iterdir() if p.is_dir()]
+    assert (generation / "files" / "cute-dsl" / "k.o").exists()
 
     inspected = slim_kernelcache("inspect", "--store", str(store.root), "--json")
     assert inspected.returncode == 0, inspected.stderr

@@ -18,7 +18,6 @@ from kernelcache.errors import (
     EXIT_CODE_HELP,
     ExitCode,
     KernelCacheError,
-    MissingGenerationError,
     SpecError,
 )
 
@@ -137,43 +136,45 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve_generation(args: argparse.Namespace) -> tuple[str, Path]:
-    from kernelcache.build import cache_key
-    from kernelcache.store import Store
-
-    if args.key:
-        key = args.key
-    elif args.file and args.arch:
-        key = cache_key(_load_spec(args.file), args.arch)
-    else:
-        raise SpecError("verify: give --key NAMESPACE/NAME/ARCH, or -f SPEC with --arch")
-    gen_dir = Store(args.store).current(key)
-    if gen_dir is None:
-        raise MissingGenerationError(f"{key}: no published generation in {args.store}")
-    return key, gen_dir
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Verify the current generation of a key as the init-container does; optionally copy it out."""
-    from kernelcache.build import check_environment
-    from kernelcache.store import load_public_key, materialize, verify
+    """Verify this node's generation as the init-container does; optionally copy it out.
 
-    key, gen_dir = _resolve_generation(args)
-    public_key = load_public_key(args.public_key) if args.public_key else None
-    result = verify(gen_dir, public_key=public_key, require_signature=args.require_signature)
-    result.raise_for_problems()
-    manifest = result.manifest
-    assert manifest is not None
-    if args.check_env:
-        check_environment(manifest, key.rsplit("/", 1)[-1])
-    line = (
-        f"{key}: generation {manifest.generation} verified: {len(manifest.files)} files, "
-        f"{result.bytes_checked / 1e6:.1f} MB in {result.seconds:.2f} s"
-    )
-    if args.materialize:
-        target = materialize(gen_dir, manifest, args.materialize)
-        line += f"; materialized at {target}"
-    print(line)
+    The arch is this node's (--arch, KERNELCACHE_ARCH, the node's GPU labels, nvidia-smi).
+    A failure is also written to the termination log, where `kubectl describe pod` shows it.
+    """
+    from kernelcache import initcontainer
+
+    log = args.termination_log or initcontainer.default_termination_log()
+    try:
+        namespace, name = args.namespace, args.name
+        if args.file is not None:
+            kc = _load_spec(args.file)
+            namespace, name = kc.metadata.namespace, kc.metadata.name
+        options = initcontainer.Options(
+            store=args.store,
+            key=args.key,
+            namespace=namespace,
+            name=name,
+            arch=args.arch,
+            gpu_product=args.gpu_product,
+            node_name=args.node_name,
+            expect_image=args.expect_image,
+            expect_factors=dict(map(initcontainer.parse_expect_factor, args.expect_factor)),
+            check_env=args.check_env,
+            policy=args.policy,
+            public_key=args.public_key,
+            require_signature=args.require_signature,
+            materialize=args.materialize,
+        )
+        outcome = initcontainer.run(options)
+    except Exception as exc:  # printed here, so that both places hold the very same line
+        line = initcontainer.error_line(exc)
+        initcontainer.write_termination_log(log, line)
+        print(line, file=sys.stderr)
+        return int(exc.code) if isinstance(exc, KernelCacheError) else int(ExitCode.FAILURE)
+    for warning in outcome.warnings:
+        print(f"kernelcache: warning: {warning}", file=sys.stderr)
+    print(outcome.summary)
     return 0
 
 
@@ -329,13 +330,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     p.add_argument("--result", type=Path, help="write the result as JSON here")
 
-    p = add("verify", cmd_verify, "verify the current generation (the init-container's check)")
+    p = add("verify", cmd_verify, "verify this node's generation (the init-container's check)")
     store_arg(p)
-    p.add_argument("--key", help="NAMESPACE/NAME/ARCH")
+    p.add_argument("--key", help="NAMESPACE/NAME/ARCH (else --namespace/--name or -f)")
+    p.add_argument("--namespace", help="the KernelCache's namespace (with --name)")
+    p.add_argument("--name", help="the KernelCache's name: the key is NAMESPACE/NAME/<node arch>")
+    p.add_argument("-f", "--file", type=Path, help="KernelCache YAML (its namespace and name)")
+    p.add_argument("--arch", help="this node's SM arch, e.g. sm_90a (else KERNELCACHE_ARCH)")
+    p.add_argument("--gpu-product", help="this node's GPU product (else KERNELCACHE_GPU_PRODUCT)")
     p.add_argument(
-        "-f", "--file", type=Path, help="KernelCache YAML (with --arch, instead of --key)"
+        "--node-name", help="read the arch from this node's GPU labels (else KERNELCACHE_NODE_NAME)"
     )
-    p.add_argument("--arch", help="SM arch, with -f")
+    p.add_argument(
+        "--expect-image", metavar="IMAGE[@sha256:...]", help="the pod's engine image must match"
+    )
+    p.add_argument(
+        "--expect-factor",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a stamp factor the pod requires, compared exactly (repeatable)",
+    )
     p.add_argument("--public-key", type=Path, help="ed25519 public key: the signature must verify")
     p.add_argument("--require-signature", action="store_true", help="refuse unsigned manifests")
     p.add_argument(
@@ -343,7 +358,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse when this environment's factors differ from the stamp",
     )
-    p.add_argument("--materialize", type=Path, metavar="DIR", help="copy the verified files here")
+    p.add_argument(
+        "--policy",
+        choices=["strict", "permissive"],
+        default="strict",
+        help="tuning from another GPU product: refuse (strict) or drop it with a warning",
+    )
+    p.add_argument(
+        "--materialize",
+        type=Path,
+        metavar="DIR",
+        help="copy the verified generation here and write DIR/kernelcache.env",
+    )
+    p.add_argument(
+        "--termination-log",
+        type=Path,
+        metavar="FILE",
+        help="write a failure here too (default: /dev/termination-log when writable)",
+    )
 
     p = add("explain", cmd_explain, "name the factors that differ between two stamps")
     p.add_argument("left", help="MANIFEST.json, generation dir, or 'env'")

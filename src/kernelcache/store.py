@@ -229,7 +229,8 @@ def _hash_fd(
 
 
 def _hash_mapped(fd: int, hasher: Any) -> tuple[str, int]:
-    """Hash a mapped file: no copy into user space, which reads cost ~25% of hashing time.
+    """Hash a mapped file: no copy into user space, which costs a read ~25% of the hashing
+    time. (Copies still read: an error while writing out of a map leaves it pinned.)
 
     The size is taken from the open file, so a file that grew or shrank since it was listed
     shows as a size or digest mismatch. Truncation while mapped would raise SIGBUS; nothing
@@ -750,17 +751,20 @@ def verify(
     public_key: PublicKeyLike | None = None,
     require_signature: bool = False,
     workers: int | None = None,
+    digests: bool = True,
 ) -> VerifyResult:
     """Check a generation against its manifest; content problems are returned, not raised.
 
     Checks, in order: the manifest parses; its signature (when a key is given or one is
     required); its paths are safe; files/ holds no symlink or special file; every listed
     file is present with its size and digest; nothing unlisted is in files/.
+    ``digests=False`` skips only the digests, for a caller that materializes next:
+    ``materialize`` checks every digest of the bytes it copies, so reading twice is waste.
     """
     started = time.monotonic()
     result = VerifyResult(Path(gen_dir), None, [], 0, 0.0)
     try:
-        _verify_into(result, public_key, require_signature, workers)
+        _verify_into(result, public_key, require_signature, workers, digests)
     finally:
         result.seconds = time.monotonic() - started
     return result
@@ -771,6 +775,7 @@ def _verify_into(
     public_key: PublicKeyLike | None,
     require_signature: bool,
     workers: int | None,
+    digests: bool,
 ) -> None:
     gen_dir = result.gen_dir
     problems = result.problems
@@ -871,9 +876,9 @@ def _verify_into(
             return actual.size, Problem(ExitCode.INTEGRITY, str(path), f"{path}: digest mismatch")
         return actual.size, None
 
-    ordered = sorted(to_digest, key=lambda e: -e.size)
+    ordered = sorted(to_digest, key=lambda e: -e.size) if digests else []
     outcomes = dict(zip((e.path for e in ordered), _parallel(check, ordered, workers), strict=True))
-    for entry in to_digest:
+    for entry in ordered:
         size, problem = outcomes[entry.path]
         result.bytes_checked += size
         if problem is not None:
@@ -919,7 +924,7 @@ def _signature_problem(
 # --------------------------------------------------------------------------- copying
 
 
-def _copy_file(src: Path, dst: Path) -> tuple[str, int]:
+def _copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
     """Copy src to a new file dst in one read, returning the digest of the bytes copied."""
     with _io(src):
         fd, st = _open_regular(src)
@@ -936,8 +941,9 @@ def _copy_file(src: Path, dst: Path) -> tuple[str, int]:
 
             with _io(src):
                 digest, size = _hash_fd(fd, st.st_size, write)
-            with _io(dst):
-                os.fsync(out)
+            if durable:
+                with _io(dst):
+                    os.fsync(out)
         finally:
             os.close(out)
     finally:
@@ -961,13 +967,20 @@ def _parents(rel: str) -> Iterator[str]:
 
 
 def materialize(
-    gen_dir: Path, manifest: Manifest, target: Path, workers: int | None = None
+    gen_dir: Path,
+    manifest: Manifest,
+    target: Path,
+    workers: int | None = None,
+    *,
+    durable: bool = True,
 ) -> Path:
     """Copy a generation into target/<generation-id>/, checking every byte as it is copied.
 
     The copy is built in a hidden target/.partial-* directory and renamed into place only
     when complete (with its .complete marker written last), so an interrupted or failed copy
     never leaves anything that looks valid. Returns at once if the copy already exists.
+    ``durable=False`` skips the fsyncs, for a target that does not outlive a crash anyway (a
+    pod's emptyDir): syncing costs about as much as the copy itself.
     """
     gen_dir, target = Path(gen_dir), Path(target)
     result = target / manifest.generation
@@ -988,7 +1001,7 @@ def materialize(
         def copy(entry: FileEntry) -> None:
             src = src_root / entry.path
             try:
-                digest, size = _copy_file(src, dst_root / entry.path)
+                digest, size = _copy_file(src, dst_root / entry.path, durable)
             except StorageError as exc:
                 if exc.path == str(src) and isinstance(exc.__cause__, FileNotFoundError):
                     raise IntegrityError(f"{src}: missing", path=str(src)) from exc
@@ -1000,8 +1013,9 @@ def materialize(
 
         _parallel(copy, sorted(manifest.files, key=lambda e: -e.size), workers)
         _write_file_synced(partial / COMPLETE_MARKER, f"{manifest.generation}\n".encode())
-        _fsync_tree_dirs(dst_root, dirs, workers)
-        _fsync_dir(partial)
+        if durable:
+            _fsync_tree_dirs(dst_root, dirs, workers)
+            _fsync_dir(partial)
         if result.exists():  # no marker: not ours, or not complete; never reuse it
             stale = target / f".partial-{secrets.token_hex(4)}"
             with _io(result):
