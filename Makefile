@@ -15,13 +15,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cute,dev]'
 	touch $@
 
-# The tests also drive torch.compile, Triton and FlashInfer's JIT on the CPU. torch is pinned first:
+# The tests also drive torch.compile, Triton and FlashInfer's JIT on the CPU, and the kopf
+# operator against an emulated API server. torch is pinned first:
 # that release is the CPU build, where an unpinned torch (asked for by FlashInfer too) would
 # pull a multi-GB CUDA build.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q flashinfer-python==0.7.4 triton==3.6.0
-	$(PY) -m pip install -q -e '.[cute,dev]'
+	$(PY) -m pip install -q -e '.[cute,dev,operator]'
 	touch $@
 
 # Build the example cache for every arch of the spec (CPU is enough: CuTe-DSL cross-compiles),
@@ -53,6 +54,7 @@ bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py
 	$(PY) bench/verify_throughput.py
 	$(PY) bench/verify_coldstart.py
+	$(PY) bench/operator_scale.py
 
 clean:
 	rm -rf $(VENV) $(STORE) $(SERVE_DIR)

@@ -9,8 +9,10 @@ first), best of N, the copy removed and the disk synced between runs (untimed):
 
 - baseline: ``cp -r files/ DST`` then ``b3sum`` over every copied file (all cores);
 - ``kernelcache verify --materialize DST``: the whole command in a fresh process, as the
-  init-container runs it (interpreter start-up, every digest verified in the volume, then a
-  parallel copy that hashes each byte again as it copies, fsynced, and the env file);
+  init-container runs it (interpreter start-up, manifest, signature, paths, sizes and
+  unlisted files checked in the volume, then a parallel copy that checks every digest of the
+  bytes as it copies them, not fsynced (an emptyDir does not outlive a crash), and the env
+  file);
 - for the breakdown: ``cp -r`` alone, ``b3sum`` alone, and ``kernelcache verify`` without
   ``--materialize``.
 

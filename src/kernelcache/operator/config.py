@@ -1,0 +1,123 @@
+"""The operator's one configuration object, read once from ``KERNELCACHE_OPERATOR_*``.
+
+Every field is an environment variable named ``KERNELCACHE_OPERATOR_`` plus the field name in
+upper case (``resync_seconds`` is ``KERNELCACHE_OPERATOR_RESYNC_SECONDS``). It is read when
+the operator module is imported, because kopf fixes timer intervals at registration; a bad
+value stops the operator at start with one line naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kernelcache.errors import ExitCode, KernelCacheError
+
+ENV_PREFIX = "KERNELCACHE_OPERATOR_"
+
+
+class ConfigError(KernelCacheError):
+    code = ExitCode.USAGE
+
+
+class OperatorConfig(BaseModel):
+    """How the operator runs and what its compile Jobs look like."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Where to watch KernelCaches: comma-separated namespace names; empty means all.
+    namespaces: tuple[str, ...] = ()
+
+    # Name of the kopf peering object (a ClusterKopfPeering, or a KopfPeering in each watched
+    # namespace) through which replicas see each other; empty runs without peering
+    # (standalone), which is only safe with a single replica.
+    peering: str = "kernelcache"
+
+    # This replica's peering priority. Of the replicas that see each other, the one with the
+    # highest priority works and the others pause (kopf pauses all of equal priority). Unset,
+    # each start takes `kopf run --priority` if given, else draws a random one, so exactly
+    # one replica of a Deployment reconciles and another takes over when it goes.
+    priority: int | None = Field(default=None, ge=0)
+
+    # kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz; empty turns it off.
+    liveness: str = "http://0.0.0.0:8080/healthz"
+
+    # Port of the Prometheus /metrics endpoint; 0 turns it off.
+    metrics_port: int = Field(default=9090, ge=0, le=65535)
+
+    # Threads that run handlers, and the API connections they pool (calls block).
+    workers: int = Field(default=16, ge=1)
+
+    # Every KernelCache is reconciled at least this often: the safety net for missed watch
+    # events, and the clock that starts a retry once its backoff has passed.
+    resync_seconds: float = Field(default=30.0, gt=0)
+
+    # Where compile Jobs mount the cache volume (passed to `kernelcache warm --store`).
+    store_mount_path: str = "/var/lib/kernelcache"
+
+    # UID, GID and fsGroup the compile and cleanup pods run as (never root).
+    run_as_user: int = Field(default=1000, ge=1)
+    run_as_group: int = Field(default=1000, ge=1)
+    fs_group: int = Field(default=1000, ge=1)
+
+    # Pod retries inside one compile Job before the Job counts as failed.
+    job_backoff_limit: int = Field(default=1, ge=0)
+
+    # A compile Job may run for the sum of its warmers' timeoutSeconds plus this margin
+    # (image pull, start-up, sealing and publishing).
+    job_deadline_margin_seconds: int = Field(default=900, ge=0)
+
+    # Finished Jobs are deleted by Kubernetes after this long. It must outlast the longest
+    # retry backoff: a failed Job is the operator's record of its attempts.
+    job_ttl_seconds: int = Field(default=86400, ge=1)
+
+    # Compile attempts per arch and spec (each a new Job) before the arch stays Failed; a
+    # spec change starts over.
+    max_attempts: int = Field(default=3, ge=1)
+
+    # Delay before retry n (n = 1, 2, ...): retry_backoff_seconds * 2**(n-1), capped.
+    retry_backoff_seconds: float = Field(default=60.0, ge=0)
+    retry_backoff_max_seconds: float = Field(default=3600.0, ge=0)
+
+    # Image of the Job that deletes a KernelCache's data from an existing claim when
+    # spec.retention.deleteDataOnDelete is set (it runs `rm -rf`; no GPU, any small image).
+    cleanup_image: str = "busybox:1.37"
+
+    # How often the finalizer re-checks a running cleanup Job.
+    cleanup_poll_seconds: float = Field(default=10.0, gt=0)
+
+    @field_validator("namespaces", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(n.strip() for n in value.split(",") if n.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _ttl_outlasts_backoff(self) -> OperatorConfig:
+        if self.max_attempts > 1 and self.job_ttl_seconds <= self.retry_backoff_max_seconds:
+            raise ValueError(
+                "job_ttl_seconds must exceed retry_backoff_max_seconds: "
+                "a failed Job must still exist when its retry is due"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
+        """Read every ``KERNELCACHE_OPERATOR_*`` variable; unknown ones are an error."""
+        environ = os.environ if environ is None else environ
+        values = {
+            name.removeprefix(ENV_PREFIX).lower(): value
+            for name, value in environ.items()
+            if name.startswith(ENV_PREFIX)
+        }
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"][:1])
+            where = f"{ENV_PREFIX}{field.upper()}: " if field else ""
+            what = "not a setting" if error["type"] == "extra_forbidden" else error["msg"]
+            raise ConfigError(f"{where}{what}") from None

@@ -1,0 +1,201 @@
+"""Reconcile one KernelCache: claim, spec ConfigMap, a compile Job per arch, then status.
+
+Level-triggered and idempotent: every call looks at the Jobs as last seen and creates only
+what is missing (deterministic names; 409 means it exists), so the create, update and resume
+handlers, Job events and the resync timer can all call it, concurrently or after a restart.
+The status is written with the resourceVersion it was computed from: if anything wrote the
+object in between (another reconcile of it), the write gets 409 and the reconcile starts
+over from a fresh read. So a stale view never overwrites a newer one, and only the
+reconcile whose write lands posts the events of the transitions it made.
+
+A spec that fails validation (a cross-field rule the CRD schema cannot express) is not an
+error of the operator: the KernelCache gets phase Failed and a condition naming the field,
+and nothing is created for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from kernelcache.errors import SpecError
+from kernelcache.operator import manifests, metrics, state
+from kernelcache.operator.config import OperatorConfig
+from kernelcache.operator.kube import ApiError, Kube, jobs_path, kernelcache_path, path
+from kernelcache.spec import KernelCache, parse_kernelcache
+
+CONFLICT_RETRIES = 5
+
+JobsOf = Callable[[str], list[dict[str, Any]]]
+
+
+class ConflictError(Exception):
+    """The status kept changing under every attempt to write it."""
+
+
+@dataclass
+class Reconciled:
+    body: dict[str, Any]  # the KernelCache as last read: what the events are about
+    result: str  # ok | invalid | gone | deleting
+    events: list[state.Event] = field(default_factory=list)
+
+
+def reconcile_kernelcache(
+    kube: Kube,
+    config: OperatorConfig,
+    body: dict[str, Any],
+    jobs_of: JobsOf,
+) -> Reconciled:
+    """Reconcile from ``body``, re-reading the object after each conflicting status write.
+
+    ``jobs_of(uid)`` returns the compile Jobs of the KernelCache with that uid as last seen
+    (the operator keeps them indexed from its watch, so a reconcile lists nothing). A Job
+    created a moment ago may be missing; creating it again is answered 409, harmlessly.
+    """
+    started = time.perf_counter()
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    events: list[state.Event] = []  # Jobs created survive a retry; so do their events
+    result = "error"
+    try:
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                now = datetime.now(timezone.utc)
+                reconciled = _reconcile_once(kube, config, body, jobs_of, now, events)
+                result = reconciled.result
+                return reconciled
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+            try:
+                body = kube.get(kernelcache_path(namespace, name))
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                metrics.forget(f"{namespace}/{name}")
+                result = "gone"
+                return Reconciled(body, result, events)
+        result = "conflict"
+        raise ConflictError(f"{namespace}/{name}: {CONFLICT_RETRIES} status writes conflicted")
+    finally:
+        metrics.RECONCILES.labels(result).inc()
+        metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+
+def _object(body: dict[str, Any]) -> dict[str, Any]:
+    """What validation looks at: the status is the operator's, not the user's."""
+    return {k: v for k, v in body.items() if k != "status"}
+
+
+def _reconcile_once(
+    kube: Kube,
+    config: OperatorConfig,
+    body: dict[str, Any],
+    jobs_of: JobsOf,
+    now: datetime,
+    events: list[state.Event],
+) -> Reconciled:
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    if meta.get("deletionTimestamp"):
+        return Reconciled(body, "deleting")  # the finalizer's handler owns it now
+    previous = body.get("status") or {}
+    generation = meta.get("generation")
+    try:
+        kc = parse_kernelcache(_object(body), f"{namespace}/{name}")
+    except SpecError as exc:
+        invalid = state.invalid_status(previous, exc.message, generation, now)
+        return _write(kube, body, previous, invalid, "invalid", events, [])
+
+    digest = manifests.spec_digest(kc)
+    owner = manifests.owner_reference(body)
+    jobs = jobs_of(uid)
+    for stale in state.superseded(jobs, digest):
+        kube.delete(jobs_path(namespace, stale))
+
+    current = state.jobs_by_arch(jobs, digest)
+    previous_current = previous.get("observedGeneration") == generation
+    before = {a.get("arch"): a for a in previous.get("arches") or []}
+    policy = state.RetryPolicy(
+        config.max_attempts, config.retry_backoff_seconds, config.retry_backoff_max_seconds
+    )
+    plans, prepared = [], False
+    for arch in kc.spec.arches():
+        arch_jobs = current.get(arch, [])
+        job = state.newest(arch_jobs)
+        result = None
+        if job is not None and state.needs_result(job, before.get(arch), previous_current):
+            pods = kube.list(path("v1", "pods", namespace), manifests.pod_selector(job))
+            result = state.termination_result(pods)
+        plan = state.plan_arch(
+            arch, arch_jobs, before.get(arch), previous_current, result, policy, now
+        )
+        if plan.create_attempt is not None:
+            if not prepared:  # what Jobs mount; made only when one is due (steady state: no writes)
+                _prepare(kube, kc, owner, digest)
+                prepared = True
+            new = manifests.compile_job(
+                kc,
+                arch=arch,
+                digest=digest,
+                attempt=plan.create_attempt,
+                owner=owner,
+                config=config,
+            )
+            if kube.create(jobs_path(namespace), new):
+                message = f"{arch}: created Job {new['metadata']['name']}"
+                events.append(state.Event("Normal", "JobCreated", message))
+        plans.append(plan)
+    status = state.summarize(plans, generation, previous, now)
+    return _write(kube, body, previous, status, "ok", events, plans)
+
+
+def _prepare(kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str) -> None:
+    """Create the claim (from spec.storage.pvc) and the spec ConfigMap, unless they exist."""
+    namespace = kc.metadata.namespace
+    if kc.spec.storage.pvc is not None:
+        kube.create(
+            path("v1", "persistentvolumeclaims", namespace), manifests.claim(kc, owner["uid"])
+        )
+    kube.create(path("v1", "configmaps", namespace), manifests.spec_configmap(kc, owner, digest))
+
+
+def _write(
+    kube: Kube,
+    body: dict[str, Any],
+    previous: dict[str, Any],
+    status: dict[str, Any],
+    result: str,
+    events: list[state.Event],
+    plans: list[state.ArchPlan],
+) -> Reconciled:
+    """Write the status if it changed, conditional on the resourceVersion it was read at."""
+    meta = body["metadata"]
+    if state.normalized(status) != state.normalized(previous):
+        kube.patch(
+            kernelcache_path(meta["namespace"], meta["name"]) + "/status",
+            {
+                "metadata": {"resourceVersion": meta["resourceVersion"]},
+                "status": state.normalized(status),
+            },
+        )
+        events.extend(state.transitions(previous, status))
+        _observe_finished_jobs(previous, plans)
+    metrics.set_phase(f"{meta['namespace']}/{meta['name']}", status["phase"])
+    return Reconciled(body, result, events)
+
+
+def _observe_finished_jobs(previous: dict[str, Any], plans: list[state.ArchPlan]) -> None:
+    """Record the run time of each Job whose end this status write reports first."""
+    before = {a.get("arch"): a.get("phase") for a in previous.get("arches") or []}
+    for plan in plans:
+        arch, phase = plan.status["arch"], plan.status["phase"]
+        if plan.job is None or phase not in ("Ready", "Failed") or before.get(arch) == phase:
+            continue
+        seconds = state.job_seconds(plan.job)
+        if seconds is not None:
+            outcome = "succeeded" if phase == "Ready" else "failed"
+            metrics.COMPILE_JOB_SECONDS.labels(arch, outcome).observe(seconds)

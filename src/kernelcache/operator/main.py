@@ -1,0 +1,144 @@
+"""kopf registrations: the only module of the operator that knows kopf.
+
+Each handler is a few lines that hand plain arguments to ``handlers/`` and turn the answer
+into kopf's terms (events to post, errors that mean "retry later"). Run with
+``kernelcache operator`` or ``kopf run -m kernelcache.operator.main``; either way the
+configuration comes from ``KERNELCACHE_OPERATOR_*`` (see ``config``), peering included.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any, cast
+
+import kopf
+
+from kernelcache.operator import metrics
+from kernelcache.operator.config import OperatorConfig
+from kernelcache.operator.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
+from kernelcache.operator.handlers.handle_reconcile_kernelcache import (
+    Reconciled,
+    reconcile_kernelcache,
+)
+from kernelcache.operator.handlers.handle_start_operator import ensure_peering
+from kernelcache.operator.handlers.handle_update_job import reconcile_job_owner
+from kernelcache.operator.kube import Kube
+from kernelcache.operator.manifests import (
+    COMPILE,
+    LABEL_CACHE_UID,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+)
+from kernelcache.spec import GROUP, PLURAL, VERSION
+
+CONFIG = OperatorConfig.from_env()
+KC = (GROUP, VERSION, PLURAL)
+COMPILE_JOBS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPILE}
+
+logger = logging.getLogger(__name__)
+
+
+def _configure(settings: kopf.OperatorSettings) -> None:
+    """Apply CONFIG to kopf: peering, persistence under our own names, threads, events.
+
+    A priority or reporting instance already set (``kopf run --priority``, or settings
+    handed to kopf by whoever runs it) is kept when CONFIG does not name one.
+    """
+    defaults = kopf.OperatorSettings()
+    if CONFIG.peering:
+        settings.peering.name = CONFIG.peering
+        if CONFIG.priority is not None:
+            settings.peering.priority = CONFIG.priority
+        elif settings.peering.priority == defaults.peering.priority:  # no --priority given
+            settings.peering.priority = secrets.randbelow(2**31 - 1) + 1
+        settings.peering.mandatory = True
+        settings.peering.standalone = False
+    else:
+        settings.peering.standalone = True
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.execution.max_workers = CONFIG.workers
+    settings.execution.default_backoff = CONFIG.resync_seconds
+    settings.posting.reporting_component = MANAGED_BY
+    if settings.posting.reporting_instance == defaults.posting.reporting_instance:
+        settings.posting.reporting_instance = socket.gethostname()  # the pod's name
+
+
+def _post(reconciled: Reconciled | None) -> None:
+    if reconciled is None:
+        return
+    body = kopf.Body(cast(kopf.RawBody, reconciled.body))
+    for event in reconciled.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+@kopf.on.startup()
+def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
+    _configure(settings)
+    memo.kube = Kube.from_environment(connections=CONFIG.workers)
+    for problem in ensure_peering(memo.kube, CONFIG):
+        logger.warning("%s; kopf keeps this replica paused until it exists", problem)
+    if CONFIG.metrics_port:
+        metrics.serve(CONFIG.metrics_port)
+
+
+@kopf.index("batch", "v1", "jobs", labels=COMPILE_JOBS)
+def compile_jobs(body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[str, dict[str, Any]]:
+    """Compile Jobs by their KernelCache's uid, kept from the watch: reconciles list nothing."""
+    return {labels[LABEL_CACHE_UID]: dict(body)} if LABEL_CACHE_UID in labels else {}
+
+
+def _jobs_of(kwargs: dict[str, Any]) -> Callable[[str], list[dict[str, Any]]]:
+    """The compile_jobs index, which kopf passes to every handler as a keyword of that name."""
+    index: kopf.Index[str, dict[str, Any]] = kwargs["compile_jobs"]
+    return lambda uid: list(index.get(uid, []))
+
+
+@kopf.on.resume(*KC)
+@kopf.on.create(*KC)
+@kopf.on.update(*KC, field="spec")
+@kopf.timer(*KC, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
+def reconcile(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Bring a KernelCache's claim, spec ConfigMap and compile Jobs in line; write status."""
+    _post(reconcile_kernelcache(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=COMPILE_JOBS)
+def job_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    """A compile Job started, finished or failed: reconcile its KernelCache."""
+    if type is None:
+        return  # the initial listing: resuming each KernelCache covers it
+    _post(reconcile_job_owner(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+
+
+@kopf.on.delete(*KC)
+def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Finalizer: stop compile Jobs; drop the data if retention.deleteDataOnDelete says so."""
+    done = delete_kernelcache(memo.kube, CONFIG, dict(body))
+    if done.outcome is Cleanup.WAITING:
+        raise kopf.TemporaryError(done.message, delay=CONFIG.cleanup_poll_seconds)
+    failed = done.outcome is Cleanup.FAILED
+    kopf.event(body, type="Warning" if failed else "Normal", reason="Deleted", message=done.message)
+
+
+@kopf.on.probe(id="reconciles")
+def reconciles(**_: Any) -> float:
+    """Liveness detail: reconciles so far."""
+    return metrics.reconciles_total()
+
+
+def run(verbose: bool = False) -> int:
+    """Run the operator in this thread until it is stopped (SIGTERM, SIGINT)."""
+    kopf.configure(verbose=verbose)
+    kopf.run(
+        clusterwide=not CONFIG.namespaces,
+        namespaces=list(CONFIG.namespaces),
+        liveness_endpoint=CONFIG.liveness or None,
+    )
+    return 0

@@ -1,0 +1,367 @@
+"""Pure builders of what the operator creates: claim, spec ConfigMap, compile and cleanup Jobs.
+
+Everything here is a function of a validated KernelCache, its owner reference and the
+operator config, returning plain dicts; nothing talks to the API server.
+
+How a compile Job gets its spec: the operator writes the KernelCache (apiVersion, kind,
+name, namespace and the validated spec) as YAML into an immutable ConfigMap named after the
+spec digest, and mounts it into the Job, which runs ``kernelcache warm -f <that file>``. The
+Job therefore needs no API access (its pod mounts no service-account token), and a Job
+always compiles exactly the spec it was created for, even if the KernelCache changes while
+it waits for a node or retries its pod.
+
+Names are deterministic: a compile Job is named after the KernelCache, the arch, a digest of
+the KernelCache's identity and spec (which includes the engine image) and the attempt, so a
+repeated reconcile creates nothing twice (the API server answers 409), and a spec or image
+change yields new names, i.e. a new generation of Jobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from kernelcache.operator.config import OperatorConfig
+from kernelcache.spec import API_VERSION, KIND, GpuClass, KernelCache
+
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kernelcache-operator"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_CACHE_UID = "kernelcache.dev/cache-uid"
+LABEL_ARCH = "kernelcache.dev/arch"
+LABEL_DIGEST = "kernelcache.dev/spec-digest"
+LABEL_ATTEMPT = "kernelcache.dev/attempt"
+# Names can be longer than a label value may be (63), so the owner's name is an annotation.
+ANNOTATION_CACHE = "kernelcache.dev/cache"
+
+COMPILE = "compile"
+CLEANUP = "cleanup"
+
+SPEC_DIR = "/etc/kernelcache/spec"
+SPEC_FILE = "kernelcache.yaml"
+SIGNING_DIR = "/etc/kernelcache/signing"
+SIGNING_KEY_FILE = "kernelcache.key"  # the name `kernelcache keygen` gives the private key
+TERMINATION_LOG = "/dev/termination-log"
+
+_NAME_MAX = 63  # Job names become a pod label value, so they must fit one
+
+
+def spec_digest(kc: KernelCache) -> str:
+    """16 hex digits of sha256 over namespace, name and spec: stable, and new on any change."""
+    identity = {
+        "namespace": kc.metadata.namespace,
+        "name": kc.metadata.name,
+        "spec": kc.spec.model_dump(mode="json", by_alias=True),
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _dns(text: str) -> str:
+    return text.lower().replace("_", "-").replace(".", "-")
+
+
+def job_name(kc_name: str, arch: str, digest: str, attempt: int) -> str:
+    """``kc-<name>-<arch>-<digest>[-r<attempt>]``, the name cut to keep within 63 characters."""
+    suffix = f"-{_dns(arch)}-{digest[:10]}" + (f"-r{attempt}" if attempt else "")
+    room = _NAME_MAX - len("kc-") - len(suffix)
+    return f"kc-{_dns(kc_name)[:room].rstrip('-')}{suffix}"
+
+
+def claim_name(kc: KernelCache) -> str:
+    """The claim compile Jobs mount: the existing one, or the one the operator creates."""
+    if kc.spec.storage.existing_claim is not None:
+        return kc.spec.storage.existing_claim
+    return f"kernelcache-{kc.metadata.name}"[:253].rstrip("-.")
+
+
+def configmap_name(kc: KernelCache, digest: str) -> str:
+    return f"kc-{kc.metadata.name}"[: 253 - 17].rstrip("-.") + f"-{digest}"
+
+
+def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    """Makes a child go with its KernelCache (Kubernetes garbage collection)."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector(uid: str, component: str | None = None) -> str:
+    """Label selector of what the operator made for the KernelCache with this uid."""
+    terms = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_CACHE_UID: uid}
+    if component:
+        terms[LABEL_COMPONENT] = component
+    return ",".join(f"{k}={v}" for k, v in terms.items())
+
+
+def _labels(uid: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kernelcache",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_COMPONENT: component,
+        LABEL_CACHE_UID: uid,
+    }
+
+
+def _metadata(
+    kc: KernelCache, name: str, labels: dict[str, str], owner: dict[str, Any] | None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": kc.metadata.namespace,
+        "labels": labels,
+        "annotations": {ANNOTATION_CACHE: kc.metadata.name},
+    }
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def spec_document(kc: KernelCache) -> dict[str, Any]:
+    """The KernelCache as ``kernelcache warm -f`` reads it: identity and validated spec only."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": kc.metadata.name, "namespace": kc.metadata.namespace},
+        "spec": kc.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+def spec_configmap(kc: KernelCache, owner: dict[str, Any], digest: str) -> dict[str, Any]:
+    """Immutable, per spec digest: a Job's spec cannot change under it."""
+    labels = {**_labels(owner["uid"], "spec"), LABEL_DIGEST: digest}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(kc, configmap_name(kc, digest), labels, owner),
+        "immutable": True,
+        "data": {SPEC_FILE: yaml.safe_dump(spec_document(kc), sort_keys=False)},
+    }
+
+
+def claim(kc: KernelCache, uid: str) -> dict[str, Any]:
+    """The PVC of ``spec.storage.pvc``.
+
+    It has no owner reference: Kubernetes would delete the cached generations with the
+    KernelCache. The finalizer deletes it only when ``retention.deleteDataOnDelete`` is set.
+    """
+    template = kc.spec.storage.pvc
+    if template is None:
+        raise ValueError("claim() needs spec.storage.pvc")
+    spec: dict[str, Any] = {
+        "accessModes": list(template.access_modes),
+        "resources": {"requests": {"storage": template.size}},
+    }
+    if template.storage_class_name is not None:
+        spec["storageClassName"] = template.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(kc, claim_name(kc), _labels(uid, "storage"), None),
+        "spec": spec,
+    }
+
+
+def gpu_class_for(kc: KernelCache, arch: str) -> GpuClass:
+    """The first GPU class of an arch: its nodes compile for every class of that arch."""
+    return next(c for c in kc.spec.gpu_classes if c.arch == arch)
+
+
+def image_of(kc: KernelCache) -> str:
+    engine = kc.spec.engine
+    return f"{engine.image}@{engine.image_digest}" if engine.image_digest else engine.image
+
+
+def _pod_security(config: OperatorConfig) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": config.run_as_user,
+        "runAsGroup": config.run_as_group,
+        "fsGroup": config.fs_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _job(
+    metadata: dict[str, Any],
+    pod_labels: dict[str, str],
+    pod_spec: dict[str, Any],
+    config: OperatorConfig,
+    deadline: int | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "backoffLimit": config.job_backoff_limit,
+        "ttlSecondsAfterFinished": config.job_ttl_seconds,
+        "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+    }
+    if deadline is not None:
+        spec["activeDeadlineSeconds"] = deadline
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def compile_job(
+    kc: KernelCache,
+    *,
+    arch: str,
+    digest: str,
+    attempt: int,
+    owner: dict[str, Any],
+    config: OperatorConfig,
+) -> dict[str, Any]:
+    """The Job that runs ``kernelcache warm`` for one arch in the serving image.
+
+    It writes its ``ArchResult`` as JSON to the termination log, where the operator reads it
+    from the finished pod; when warm fails before writing it, the log's last lines stand in.
+    """
+    gpu = gpu_class_for(kc, arch)
+    labels = {
+        **_labels(owner["uid"], COMPILE),
+        LABEL_ARCH: arch,
+        LABEL_DIGEST: digest,
+        LABEL_ATTEMPT: str(attempt),
+    }
+    command = [
+        "kernelcache", "warm", "-f", f"{SPEC_DIR}/{SPEC_FILE}",
+        "--store", config.store_mount_path, "--arch", arch, "--result", TERMINATION_LOG,
+    ]  # fmt: skip
+    mounts = [
+        {"name": "store", "mountPath": config.store_mount_path},
+        {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "store", "persistentVolumeClaim": {"claimName": claim_name(kc)}},
+        {"name": "spec", "configMap": {"name": configmap_name(kc, digest)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    signing = kc.spec.verification.signing
+    if signing.enabled and signing.secret_name:
+        command += ["--signing-key", f"{SIGNING_DIR}/{SIGNING_KEY_FILE}"]
+        mounts.append({"name": "signing", "mountPath": SIGNING_DIR, "readOnly": True})
+        volumes.append({"name": "signing", "secret": {"secretName": signing.secret_name}})
+    resources = {k: v for k, v in gpu.resources.model_dump(by_alias=True).items() if v}
+    container = {
+        "name": "warm",
+        "image": image_of(kc),
+        "command": command,
+        "env": [{"name": "HOME", "value": "/tmp"}],  # toolchains keep caches under $HOME
+        "resources": resources,
+        "securityContext": _CONTAINER_SECURITY,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": mounts,
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(config),
+        "nodeSelector": dict(gpu.node_selector),
+        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in gpu.tolerations],
+        "containers": [container],
+        "volumes": volumes,
+    }
+    deadline = sum(w.timeout_seconds for w in kc.spec.warmers) + config.job_deadline_margin_seconds
+    name = job_name(kc.metadata.name, arch, digest, attempt)
+    return _job(_metadata(kc, name, labels, owner), labels, pod_spec, config, deadline)
+
+
+def data_path(kc: KernelCache, config: OperatorConfig) -> str:
+    """The store directory holding every arch's key of a KernelCache (``<ns>/<name>``)."""
+    return f"{config.store_mount_path}/{kc.metadata.namespace}/{kc.metadata.name}"
+
+
+def cleanup_job(kc: KernelCache, uid: str, config: OperatorConfig) -> dict[str, Any]:
+    """Deletes a KernelCache's generations from an existing claim, for its finalizer.
+
+    No owner reference: the owner is being deleted; ``ttlSecondsAfterFinished`` removes it.
+    """
+    labels = _labels(uid, CLEANUP)
+    container = {
+        "name": "cleanup",
+        "image": config.cleanup_image,
+        "command": ["rm", "-rf", "--", data_path(kc, config)],
+        "securityContext": _CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "store", "mountPath": config.store_mount_path}],
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(config),
+        "containers": [container],
+        "volumes": [{"name": "store", "persistentVolumeClaim": {"claimName": claim_name(kc)}}],
+    }
+    name = f"kc-{_dns(kc.metadata.name)[:40].rstrip('-')}-cleanup-{uid[:8]}"
+    return _job(_metadata(kc, name, labels, None), labels, pod_spec, config)
+
+
+def pod_selector(job: dict[str, Any]) -> str:
+    """Selects a Job's pods by the labels its template gives them."""
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+PEERING_GROUP = "kopf.dev"
+PEERING_VERSION = "v1"
+
+
+def peering_crds() -> list[dict[str, Any]]:
+    """kopf's peering CRDs (ClusterKopfPeering, KopfPeering): replicas meet in their status."""
+    crds = []
+    for kind, scope in (("ClusterKopfPeering", "Cluster"), ("KopfPeering", "Namespaced")):
+        plural = kind.lower() + "s"
+        crds.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.{PEERING_GROUP}"},
+                "spec": {
+                    "scope": scope,
+                    "group": PEERING_GROUP,
+                    "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                    "versions": [
+                        {
+                            "name": PEERING_VERSION,
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "status": {
+                                            "type": "object",
+                                            "x-kubernetes-preserve-unknown-fields": True,
+                                        }
+                                    },
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return crds
+
+
+def peering_object(name: str, namespace: str | None = None) -> dict[str, Any]:
+    """The peering object replicas of this operator share (cluster-wide or per namespace)."""
+    kind = "KopfPeering" if namespace else "ClusterKopfPeering"
+    meta: dict[str, Any] = {"name": name, "labels": {LABEL_MANAGED_BY: MANAGED_BY}}
+    if namespace:
+        meta["namespace"] = namespace
+    return {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": kind, "metadata": meta}

@@ -1,0 +1,369 @@
+"""Pure decisions: what a compile Job's state means, what to create next, what status to write.
+
+Observed state comes in as plain dicts (Jobs and pods as the API server returns them, the
+previous status); decisions come out as plain dicts and small dataclasses. Nothing here
+talks to the API server or reads the clock, so every rule is a unit test away.
+
+Rules, per arch of the current spec (Jobs of an older spec digest are not looked at):
+
+- No Job: create attempt 0 - unless the status already says Ready or Failed for this very
+  KernelCache generation (its Jobs have expired after ``ttlSecondsAfterFinished``): a
+  finished result stays, nothing is rebuilt.
+- The newest attempt decides the phase: not started Pending, running Compiling, complete
+  Ready (with the ``ArchResult`` its pod wrote as termination message), failed Failed.
+- A failed attempt is retried as a new Job (next attempt number, so a new name) once its
+  backoff has passed, up to ``max_attempts``; then the arch stays Failed until the spec
+  changes. Retrying with new Jobs rather than kopf's handler retries keeps every attempt
+  visible (``kubectl get jobs``) and makes the attempt count survive operator restarts.
+- Until a new Job publishes, the arch keeps showing the generation that is published now:
+  the store's CURRENT only moves on publish.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+
+JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
+
+# What an arch keeps from its last published result while a new build runs.
+PUBLISHED_FIELDS = ("generation", "stampDigest", "artifacts", "bytes", "compileSeconds")
+STATUS_KEYS = ("phase", "observedGeneration", "readyArches", "arches", "conditions")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def format_time(value: datetime) -> str:
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(job: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind and condition.get("status") == "True":
+            return dict(condition)
+    return None
+
+
+def job_state(job: dict[str, Any]) -> JobState:
+    """Complete and Failed conditions are final; an active pod means it is compiling."""
+    if _condition(job, "Complete"):
+        return "Succeeded"
+    if _condition(job, "Failed"):
+        return "Failed"
+    status = job.get("status") or {}
+    return "Compiling" if status.get("active") or status.get("ready") else "Pending"
+
+
+def job_attempt(job: dict[str, Any]) -> int:
+    labels = job.get("metadata", {}).get("labels") or {}
+    try:
+        return int(labels.get(LABEL_ATTEMPT, "0"))
+    except ValueError:
+        return 0
+
+
+def job_failure(job: dict[str, Any]) -> str:
+    """The Job's own account of its failure, e.g. ``BackoffLimitExceeded: Job has reached…``."""
+    condition = _condition(job, "Failed") or {}
+    reason, message = condition.get("reason") or "Failed", condition.get("message") or ""
+    return f"{reason}: {message}" if message else reason
+
+
+def job_finished_at(job: dict[str, Any]) -> datetime | None:
+    condition = _condition(job, "Complete") or _condition(job, "Failed") or {}
+    status = job.get("status") or {}
+    return parse_time(condition.get("lastTransitionTime") or status.get("completionTime"))
+
+
+def job_seconds(job: dict[str, Any]) -> float | None:
+    """How long a finished Job ran, from its start to its final condition."""
+    started = parse_time((job.get("status") or {}).get("startTime"))
+    finished = job_finished_at(job)
+    if started is None or finished is None:
+        return None
+    return max(0.0, (finished - started).total_seconds())
+
+
+def termination_result(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``ArchResult`` the newest pod's ``warm`` container left as termination message.
+
+    ``kernelcache warm --result /dev/termination-log`` writes it as JSON on success; a warm
+    that failed first leaves its last log lines instead (FallbackToLogsOnError), of which
+    the last non-empty one becomes the message.
+    """
+    newest = sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "")
+    for pod in reversed(newest):
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            if container.get("name") != "warm":
+                continue
+            terminated = (container.get("state") or {}).get("terminated") or (
+                container.get("lastState") or {}
+            ).get("terminated")
+            text = ((terminated or {}).get("message") or "").strip()
+            if not text:
+                continue
+            try:
+                result = json.loads(text)
+            except ValueError:
+                result = None
+            if isinstance(result, dict) and "status" in result:
+                return result
+            return {"status": "failed", "message": text.splitlines()[-1].strip()[:300]}
+    return None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int
+    backoff_seconds: float
+    backoff_max_seconds: float
+
+    def delay(self, attempt: int) -> float:
+        """Seconds after attempt ``attempt`` (0-based) failed before the next one starts."""
+        return min(self.backoff_max_seconds, self.backoff_seconds * 2**attempt)
+
+
+@dataclass(frozen=True)
+class ArchPlan:
+    """One arch's status to write, and whether a Job should be created for it."""
+
+    status: dict[str, Any]
+    create_attempt: int | None = None  # create the Job of this attempt
+    progressing: bool = False  # a Job is waiting or running, or a retry is scheduled
+    job: dict[str, Any] | None = None  # the newest Job the status was read from
+
+
+def jobs_by_arch(jobs: Iterable[dict[str, Any]], digest: str) -> dict[str, list[dict[str, Any]]]:
+    """The compile Jobs of the current spec digest, per arch."""
+    result: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        labels = job.get("metadata", {}).get("labels") or {}
+        if labels.get(LABEL_DIGEST) == digest and LABEL_ARCH in labels:
+            result.setdefault(labels[LABEL_ARCH], []).append(job)
+    return result
+
+
+def newest(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    return max(jobs, key=job_attempt, default=None)
+
+
+def superseded(jobs: Iterable[dict[str, Any]], digest: str) -> list[str]:
+    """Unfinished Jobs of an older spec: deleted, or they could publish over the new one.
+
+    Finished ones are left to ``ttlSecondsAfterFinished``; no store data is deleted either
+    way (a killed build leaves only a staging directory, which the next writer removes).
+    """
+    return [
+        job["metadata"]["name"]
+        for job in jobs
+        if (job["metadata"].get("labels") or {}).get(LABEL_DIGEST) != digest
+        and job_state(job) in ("Pending", "Compiling")
+    ]
+
+
+def needs_result(
+    job: dict[str, Any], previous: dict[str, Any] | None, previous_current: bool
+) -> bool:
+    """Whether to read the pods of a Job: it finished and its result is not in status yet."""
+    outcome = job_state(job)
+    if outcome == "Failed":
+        return True
+    already = previous is not None and previous_current and previous.get("phase") == "Ready"
+    return outcome == "Succeeded" and not already
+
+
+def plan_arch(
+    arch: str,
+    jobs: list[dict[str, Any]],
+    previous: dict[str, Any] | None,
+    previous_current: bool,
+    result: dict[str, Any] | None,
+    policy: RetryPolicy,
+    now: datetime,
+) -> ArchPlan:
+    """Decide one arch's status and next Job from its Jobs of the current spec.
+
+    ``previous`` is the arch's entry in the status as last written and ``previous_current``
+    whether that status was written for the current ``metadata.generation``; ``result`` is
+    the newest Job's termination result when it has finished (``needs_result``).
+    """
+    published = {k: previous[k] for k in PUBLISHED_FIELDS if previous and k in previous}
+
+    def status(phase: str, message: str, **fields: Any) -> dict[str, Any]:
+        return {"arch": arch, "phase": phase, **published, **fields, "message": message}
+
+    job = newest(jobs)
+    if job is None:
+        if previous and previous_current and previous.get("phase") in ("Ready", "Failed"):
+            return ArchPlan(previous)
+        return ArchPlan(status("Pending", "creating the compile Job"), 0, True)
+    name, attempt = job["metadata"]["name"], job_attempt(job)
+    of = f" (attempt {attempt + 1} of {policy.max_attempts})" if attempt else ""
+    outcome = job_state(job)
+    if outcome == "Pending":
+        return ArchPlan(status("Pending", f"Job {name} is waiting to start{of}"), None, True, job)
+    if outcome == "Compiling":
+        return ArchPlan(status("Compiling", f"Job {name} is compiling{of}"), None, True, job)
+    if outcome == "Succeeded":
+        if result is None and previous and previous_current and previous.get("phase") == "Ready":
+            return ArchPlan(previous, job=job)
+        if result is None:
+            unread = f"Job {name} succeeded; no result was readable"
+            return ArchPlan(status("Ready", unread), job=job)
+        fields = {
+            "generation": result.get("generation"),
+            "stampDigest": result.get("stamp"),
+            "artifacts": result.get("files"),
+            "bytes": result.get("bytes"),
+            "compileSeconds": result.get("seconds"),
+        }
+        fields = {k: v for k, v in fields.items() if v is not None}
+        return ArchPlan(status("Ready", f"{result['status']} by Job {name}", **fields), job=job)
+    detail = job_failure(job)
+    if result and result.get("message"):
+        detail += f"; {result['message']}"
+    detail = f"Job {name}: {detail}"
+    if attempt + 1 >= policy.max_attempts:
+        gave_up = f"{detail} (gave up after {policy.max_attempts} attempt(s))"
+        return ArchPlan(status("Failed", gave_up), job=job)
+    failed_at = job_finished_at(job) or parse_time(job["metadata"].get("creationTimestamp"))
+    due = (failed_at or now) + timedelta(seconds=policy.delay(attempt))
+    if now >= due:
+        return ArchPlan(status("Pending", f"retrying after {detail}"), attempt + 1, True, job)
+    retry = f"{detail}; retry {attempt + 2} of {policy.max_attempts} at {format_time(due)}"
+    return ArchPlan(status("Failed", retry), None, True, job)
+
+
+def _conditions(
+    wanted: list[tuple[str, bool, str, str]],
+    previous: list[dict[str, Any]],
+    generation: int | None,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """Conditions with lastTransitionTime kept while the status does not change."""
+    before = {c.get("type"): c for c in previous}
+    result = []
+    for kind, true, reason, message in wanted:
+        value = "True" if true else "False"
+        old = before.get(kind) or {}
+        since = old.get("lastTransitionTime") if old.get("status") == value else None
+        condition = {
+            "type": kind,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": since or format_time(now),
+        }
+        if generation is not None:
+            condition["observedGeneration"] = generation
+        result.append(condition)
+    return result
+
+
+def overall_phase(phases: list[str]) -> str:
+    """All Ready: Ready. All Failed: Failed. Some Failed: Degraded. Else Compiling/Pending."""
+    if phases and all(p == "Ready" for p in phases):
+        return "Ready"
+    if phases and all(p == "Failed" for p in phases):
+        return "Failed"
+    if "Failed" in phases:
+        return "Degraded"
+    if "Compiling" in phases or "Ready" in phases:
+        return "Compiling"
+    return "Pending"
+
+
+def summarize(
+    plans: list[ArchPlan], generation: int | None, previous: dict[str, Any], now: datetime
+) -> dict[str, Any]:
+    """The whole status: per-arch entries, phase, readyArches and the three conditions."""
+    arches = [p.status for p in plans]
+    ready = sum(a["phase"] == "Ready" for a in arches)
+    failed = [a for a in arches if a["phase"] == "Failed"]
+    busy = [a for a, p in zip(arches, plans, strict=True) if p.progressing]
+    count = f"{ready}/{len(arches)} arches ready"
+    all_ready = ready == len(arches)
+    busy_text = "; ".join(f"{a['arch']}: {a['message']}" for a in busy) or count
+    failed_text = "; ".join(f"{a['arch']}: {a['message']}" for a in failed) or count
+    wanted = [
+        ("Ready", all_ready, "ArchesReady" if all_ready else "ArchesNotReady", count),
+        ("Progressing", bool(busy), "Compiling" if busy else "Idle", busy_text),
+        ("Degraded", bool(failed), "CompileFailed" if failed else "NoFailures", failed_text),
+    ]
+    return {
+        "phase": overall_phase([a["phase"] for a in arches]),
+        "observedGeneration": generation,
+        "readyArches": f"{ready}/{len(arches)}",
+        "arches": arches,
+        "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
+    }
+
+
+def invalid_status(
+    previous: dict[str, Any], message: str, generation: int | None, now: datetime
+) -> dict[str, Any]:
+    """Failed, with the validation message in the conditions; what is published stays listed."""
+    wanted = [
+        ("Ready", False, "InvalidSpec", message),
+        ("Progressing", False, "InvalidSpec", "nothing is compiled until the spec is fixed"),
+        ("Degraded", True, "InvalidSpec", message),
+    ]
+    return {
+        "phase": "Failed",
+        "observedGeneration": generation,
+        "readyArches": previous.get("readyArches"),
+        "arches": previous.get("arches") or [],
+        "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
+    }
+
+
+def normalized(status: dict[str, Any] | None) -> dict[str, Any]:
+    """The status keys the operator owns, for comparing and for a merge patch (None deletes)."""
+    status = status or {}
+    return {key: status.get(key) for key in STATUS_KEYS}
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the KernelCache."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+def transitions(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:
+    """Events for what changed: an arch started, published or failed; the spec became invalid."""
+    events: list[Event] = []
+    before = {a.get("arch"): a for a in previous.get("arches") or []}
+    for arch in status.get("arches") or []:
+        old = before.get(arch["arch"]) or {}
+        if old.get("phase") == arch["phase"] and arch["phase"] != "Failed":
+            continue
+        if arch["phase"] == "Failed" and old.get("message") == arch["message"]:
+            continue
+        message = f"{arch['arch']}: {arch['message']}"
+        if arch["phase"] == "Compiling":
+            events.append(Event("Normal", "Compiling", message))
+        elif arch["phase"] == "Ready":
+            events.append(Event("Normal", "Published", message))
+        elif arch["phase"] == "Failed":
+            events.append(Event("Warning", "CompileFailed", message))
+    ready = _find(status, "Ready")
+    was = _find(previous, "Ready")
+    if ready.get("reason") == "InvalidSpec" and ready.get("message") != was.get("message"):
+        events.append(Event("Warning", "InvalidSpec", ready.get("message") or ""))
+    if status.get("phase") == "Ready" and previous.get("phase") != "Ready":
+        events.append(Event("Normal", "Ready", f"all arches ready ({status.get('readyArches')})"))
+    return events
+
+
+def _find(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})

@@ -1,0 +1,285 @@
+"""A test double for the Kubernetes API server: kmock's emulator plus what the operator needs.
+
+No API server can run where these tests run (no kube-apiserver, kind, k3s or Docker engine),
+so the operator's integration tests run kopf for real against kmock's in-memory Kubernetes
+emulator over HTTP. kmock 0.8 stores objects as plain JSON; this subclass adds the parts of
+API-server behaviour that kopf and the operator rely on:
+
+- ``uid``, ``creationTimestamp``, ``generateName``, ``metadata.generation`` (bumped when
+  anything but metadata and status changes) and ``resourceVersion`` (one global counter,
+  bumped by every write);
+- optimistic concurrency: a merge patch that carries a stale ``metadata.resourceVersion``
+  gets 409, a JSON patch whose ``test`` op fails gets 422 (kopf removes finalizers that way);
+- the status subresource: ``/status`` writes change only ``status``, other writes never do;
+- ``labelSelector`` on lists and watches, a list's ``resourceVersion``, and watches that
+  resume from it without losing writes (kmock replays the objects first and subscribes to
+  new events only afterwards, dropping whatever happened in between);
+- lookups by key: kmock finds the object a fetch, list or write is about by scanning every
+  object of every kind, which a benchmark with thousands of objects cannot afford.
+
+It does not validate objects against schemas, run controllers (no Job ever starts: tests
+write Job status themselves) or collect garbage by owner references. kmock also mis-parses
+``/api/v1/namespaces``; nothing here needs it (the operator watches either every namespace
+or namespaces named exactly, never a glob), so it is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import kmock
+from kmock import Payload, Request, action
+
+_WRITES = (action.CREATE, action.UPDATE, action.DELETE)
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: dicts merge, None deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+def label_selected(obj: dict[str, Any], selector: str | None) -> bool:
+    """Equality-based selectors (``a=b``, ``a==b``, ``a!=b``, ``a``, ``!a``), comma-joined."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            ok = labels.get(key.strip()) != value.strip()
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            ok = labels.get(key.strip()) == value.lstrip("=").strip()
+        elif term.startswith("!"):
+            ok = term[1:] not in labels
+        else:
+            ok = term in labels
+        if not ok:
+            return False
+    return True
+
+
+def _conflict(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+@attrs.define(kw_only=True)
+class KubernetesEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator with resource versions, generations, concurrency and selectors."""
+
+    # kmock routes each request by scanning every request served so far; a long benchmark
+    # turns this off to forget requests once answered (tests keep them to assert on).
+    keep_requests: bool = True
+    # Watch requests served, by resource plural: a client is ready once its watches arrived.
+    watches: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
+    _revision: int = attrs.field(default=0, init=False)
+    # Object keys by resource, so lists and watches need not scan every object of every kind
+    # (objects enter through the API: tests never write kmock's store directly).
+    _keys: collections.defaultdict[Any, dict[Any, None]] = attrs.field(
+        factory=lambda: collections.defaultdict(dict), init=False
+    )
+    _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+
+    def declare(self, crd: dict[str, Any]) -> None:
+        """Serve a CustomResourceDefinition's resource (discovery only: schemas are not checked)."""
+        spec, names = crd["spec"], crd["spec"]["names"]
+        for version in spec["versions"]:
+            self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
+                kmock.ResourceInfo(
+                    kind=names["kind"],
+                    singular=names.get("singular"),
+                    namespaced=spec["scope"] == "Namespaced",
+                    shortnames=set(names.get("shortNames") or ()),
+                    categories=set(names.get("categories") or ()),
+                    verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+                    subresources=set(version.get("subresources") or ()),
+                )
+            )
+
+    def _next_revision(self) -> str:
+        self._revision += 1
+        return str(self._revision)
+
+    async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
+        try:
+            if request.resource is None or request.action not in _WRITES:
+                return await super()._handle(request)
+            # Writes are serialised so the object a write is computed from is still the
+            # latest when kmock stores it (kmock applies it later, under its own lock).
+            async with self._writes:
+                try:
+                    data = self._admit(request)
+                except kmock.KubernetesError as exc:
+                    return await self._render_error(exc)
+                # kmock routes a request by its identity, so the admitted body replaces the
+                # parsed one in place rather than in a copy of the (frozen) request.
+                object.__setattr__(request, "data", data)
+                return await super()._handle(request)
+        finally:
+            if not self.keep_requests:
+                self._requests.remove(request)
+
+    def _admit(self, request: Request) -> Any:
+        """The body kmock should store for a write, completed as an API server would."""
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if request.action == action.CREATE:
+            body = copy.deepcopy(request.data)
+            meta = body.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            if request.namespace:
+                meta["namespace"] = request.namespace
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now, generation=1)
+            meta["resourceVersion"] = self._next_revision()
+            key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
+            self._keys[request.resource][key] = None
+            return body
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return request.data  # kmock answers 404
+        current = self._objects[key].raw
+        if request.action == action.DELETE:
+            self._objects[key].patch({"metadata": {"resourceVersion": self._next_revision()}})
+            return request.data
+        return [{"op": "replace", "path": "", "value": self._updated(request, current)}]
+
+    def _updated(self, request: Request, current: dict[str, Any]) -> dict[str, Any]:
+        patch = request.data
+        if isinstance(patch, list):
+            try:
+                new = jsonpatch.apply_patch(current, patch)
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+                raise _conflict(422, "Invalid", f"the JSON patch does not apply: {exc}") from None
+        else:
+            expected = (patch.get("metadata") or {}).get("resourceVersion")
+            if expected is not None and expected != current["metadata"]["resourceVersion"]:
+                raise _conflict(409, "Conflict", "the object has been modified")
+            new = _merge_patch(current, patch)
+        info = self.resources.get(request.resource)
+        if request.subresource == "status":
+            new = {**current, "status": new.get("status")}
+        elif info is not None and "status" in info.subresources:
+            new["status"] = current.get("status")
+        if new.get("status") is None:
+            new.pop("status", None)
+        meta = new["metadata"]
+        for fixed in ("uid", "name", "namespace", "creationTimestamp", "generation"):
+            if fixed in current["metadata"]:
+                meta[fixed] = current["metadata"][fixed]
+        if _content(new) != _content(current):
+            meta["generation"] = current["metadata"].get("generation", 1) + 1
+        meta["resourceVersion"] = self._next_revision()
+        return new
+
+    def _current(self, request: Request) -> list[dict[str, Any]]:
+        """The live objects of the request's resource, in its namespace if it names one."""
+        return [
+            obj.raw
+            for key in self._keys[request.resource]
+            if request.namespace is None or key[1] == request.namespace
+            if not (obj := self._objects[key]).deleted
+        ]
+
+    # kmock answers a fetch or a write by scanning every object for the one addressed; these
+    # look it up by key instead (the write itself is done in kmock's _handle either way).
+    async def _serve_fetch(self, request: Request) -> Payload:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return self._objects[key].raw
+
+    async def _serve_create(self, request: Request) -> Payload:
+        meta = request.data["metadata"]
+        return self._objects[request.resource, meta.get("namespace"), meta["name"]].last.raw
+
+    async def _serve_update(self, request: Request) -> Payload:
+        return self._objects[request.resource, request.namespace, request.name].last.raw
+
+    _serve_delete = _serve_update
+
+    async def _serve_list(self, request: Request) -> Payload:
+        if request.resource not in self.resources:
+            raise kmock.KubernetesResourceNotFoundError()
+        selector = request.params.get("labelSelector")
+        items = [obj for obj in self._current(request) if label_selected(obj, selector)]
+        return {"metadata": {"resourceVersion": str(self._revision)}, "items": items}
+
+    async def _serve_watch(self, request: Request) -> AsyncIterator[Payload]:
+        yield b""  # send the headers now, even if nothing happens for a while
+        assert request.resource is not None
+        selector = request.params.get("labelSelector")
+        since = int(request.params.get("resourceVersion") or 0)
+
+        def wanted(obj: dict[str, Any]) -> bool:
+            namespace = obj.get("metadata", {}).get("namespace")
+            in_scope = request.namespace is None or namespace == request.namespace
+            return in_scope and label_selected(obj, selector)
+
+        self.watches[request.resource.plural or ""] += 1
+        bus = self._buses[request.resource]
+        async with self._lock:  # writes publish under this lock: nothing slips in between
+            mark = await bus.mark()
+            replay = self._current(request)
+        try:
+            for raw in replay:
+                if int(raw["metadata"].get("resourceVersion", 0)) > since and wanted(raw):
+                    yield {"type": "ADDED", "object": raw}
+            async for event in bus.stream(since=mark):
+                if wanted(event["object"]):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
+
+def _content(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+
+@contextmanager
+def serving(
+    emulator_factory: Callable[[], KubernetesEmulator] = KubernetesEmulator,
+) -> Iterator[Any]:
+    """Serve a fresh emulator on a local port from a thread of its own; yield (emulator, url).
+
+    The emulator runs in its own event loop so that synchronous tests, the kubernetes client
+    and kopf's own thread can all talk to it over HTTP.
+    """
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        holder["stop"] = (asyncio.get_running_loop(), stop)
+        async with emulator_factory() as emulator, kmock.Server(emulator) as server:
+            holder["emulator"], holder["url"] = emulator, str(server.url).rstrip("/")
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="k8s-emulator")
+    thread.start()
+    if not ready.wait(timeout=10):
+        raise RuntimeError("the Kubernetes emulator did not start")
+    try:
+        yield holder["emulator"], holder["url"]
+    finally:
+        loop, stop = holder["stop"]
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)

@@ -1,0 +1,485 @@
+"""The real kopf operator against a Kubernetes API test double (see ``k8s_emulator``).
+
+Each test serves a fresh emulator, points the kubernetes client and kopf at it through a
+temporary kubeconfig, runs ``kopf run -m kernelcache.operator.main`` in a thread
+(``KopfRunner``), and plays the rest of the cluster: it creates KernelCaches and writes what
+the Job controller and the kubelet would (Job conditions, the pod's termination message).
+Assertions are on observable state: objects, status, Events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+# The operator reads its config once, when kopf imports it (timer intervals are fixed at
+# registration), so it is set before anything imports kernelcache.operator.main: resync and
+# retry within seconds, two attempts, no metrics server.
+os.environ.update(
+    KERNELCACHE_OPERATOR_RESYNC_SECONDS="0.5",
+    KERNELCACHE_OPERATOR_RETRY_BACKOFF_SECONDS="2",
+    KERNELCACHE_OPERATOR_RETRY_BACKOFF_MAX_SECONDS="2",
+    KERNELCACHE_OPERATOR_MAX_ATTEMPTS="2",
+    KERNELCACHE_OPERATOR_CLEANUP_POLL_SECONDS="0.5",
+    KERNELCACHE_OPERATOR_METRICS_PORT="0",
+)
+
+kopf_testing = pytest.importorskip("kopf.testing", reason="needs kernelcache[operator]")
+kubernetes = pytest.importorskip("kubernetes", reason="needs kernelcache[operator]")
+kmock = pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emulator)")
+
+import kopf  # noqa: E402
+import yaml  # noqa: E402
+
+from kernelcache.operator import metrics  # noqa: E402
+from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
+from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, peering_crds  # noqa: E402
+from kernelcache.spec import crd_manifest  # noqa: E402
+from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
+
+NS = "default"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kernelcache.yaml"
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float = 15.0, what: str = "") -> T:
+    """Poll until ``check`` returns something truthy; fail with its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}: last {value!r}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Cluster:
+    emulator: KubernetesEmulator
+    kube: Kube
+
+    def apply(self, kc: dict[str, Any]) -> dict[str, Any]:
+        return self.kube.request("POST", kernelcache_path(NS), body=kc)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.kube.get(kernelcache_path(NS, name))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.get(name).get("status") or {}
+
+    def arch(self, name: str, arch: str) -> dict[str, Any]:
+        arches = self.status(name).get("arches") or []
+        return next((a for a in arches if a["arch"] == arch), {})
+
+    def arch_when(self, name: str, arch: str, check: Callable[[dict[str, Any]], bool]) -> Any:
+        """Wait until the status entry of an arch passes ``check``; return it."""
+        return wait_until(
+            lambda: (entry := self.arch(name, arch)) and check(entry) and entry, what=arch
+        )
+
+    def jobs(self, **labels: str) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        return self.kube.list(jobs_path(NS), selector)
+
+    def job_names(self) -> list[str]:
+        return sorted(j["metadata"]["name"] for j in self.jobs())
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        events = self.kube.list(path("v1", "events", NS))
+        return [e for e in events if e["involvedObject"].get("name") == name]
+
+    def reasons(self, name: str) -> list[str]:
+        return [e["reason"] for e in self.events(name)]
+
+    def exists(self, name: str) -> bool:
+        return any(o["metadata"]["name"] == name for o in self.kube.list(kernelcache_path(NS)))
+
+    def finish(self, job: dict[str, Any], *, failed: bool = False, message: str = "") -> None:
+        """Be the kubelet and the Job controller: the pod ends, then its Job."""
+        meta = job["metadata"]
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        terminated = {"exitCode": 11 if failed else 0, "message": message}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{meta['name']}-x7k2p", "labels": labels},
+            "status": {
+                "containerStatuses": [{"name": "warm", "state": {"terminated": terminated}}]
+            },
+        }
+        self.kube.create(path("v1", "pods", NS), pod)
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 42))
+        condition = {"type": "Complete", "status": "True", "lastTransitionTime": now}
+        if failed:
+            condition.update(
+                type="Failed", reason="BackoffLimitExceeded", message="Job has reached the limit"
+            )
+        status = {"startTime": started, "conditions": [condition], "active": 0}
+        status.update({"failed": 1} if failed else {"succeeded": 1, "completionTime": now})
+        self.kube.patch(jobs_path(NS, meta["name"]) + "/status", {"status": status})
+
+    def run(self, name: str, arch: str) -> dict[str, Any]:
+        """Wait for the newest compile Job of an arch to exist; mark it running."""
+        jobs = wait_until(lambda: self.jobs(**{LABEL_ARCH: arch}), what=f"a Job for {arch}")
+        job = max(jobs, key=lambda j: int(j["metadata"]["labels"][LABEL_ATTEMPT]))
+        self.kube.patch(
+            jobs_path(NS, job["metadata"]["name"]) + "/status", {"status": {"active": 1}}
+        )
+        return job
+
+
+def result_message(arch: str, generation: str, files: int = 12) -> str:
+    """What ``kernelcache warm --result /dev/termination-log`` writes (an ArchResult)."""
+    result = {
+        "arch": arch,
+        "status": "published",
+        "generation": generation,
+        "stamp": "blake3:" + "ab" * 32,
+        "files": files,
+        "bytes": 4096 * files,
+        "compiled": files,
+        "seconds": 41.5,
+        "exit_code": 0,
+        "message": "",
+    }
+    return json.dumps(result)
+
+
+def example(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    kc = yaml.safe_load(EXAMPLE.read_text())
+    kc["metadata"]["name"] = name
+    kc["spec"].update(spec)
+    return kc
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    with serving() as (emulator, url):
+        emulator.resources.load_bundled()
+        for crd in [crd_manifest(), *peering_crds()]:
+            emulator.declare(crd)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emulator",
+                    "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+                    "users": [{"name": "tester", "user": {"token": "any"}}],
+                    "contexts": [
+                        {"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}
+                    ],
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        # The kubernetes client reads KUBECONFIG once, at import.
+        monkeypatch.setattr(
+            kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig)
+        )
+        yield Cluster(emulator, Kube.from_environment())
+
+
+@contextmanager
+def operator(cluster: Cluster, *args: str, instance: str = "replica-a") -> Iterator[Any]:
+    """Run the operator; return once it watches KernelCaches and Jobs (it is not paused)."""
+    settings = kopf.OperatorSettings()
+    settings.posting.reporting_instance = instance
+    watches = cluster.emulator.watches
+    before = watches["kernelcaches"], watches["jobs"]
+    argv = ["run", "-A", "--verbose", "-m", "kernelcache.operator.main", *args]
+    with kopf_testing.KopfRunner(argv, settings=settings, timeout=30) as runner:
+        wait_until(
+            lambda: watches["kernelcaches"] > before[0] and watches["jobs"] > before[1],
+            what="the operator's watches",
+        )
+        yield runner
+    assert runner.exception is None, runner.output[-3000:]
+    assert runner.exit_code == 0
+    assert "Traceback" not in runner.output, runner.output[-3000:]  # no handler crashed
+
+
+def test_create_makes_one_job_per_arch(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: len(cluster.jobs()) == 2, what="two compile Jobs")
+        status = wait_until(lambda: cluster.status("demo").get("readyArches"), what="status")
+        assert status == "0/2"
+        st = cluster.status("demo")
+        assert st["phase"] == "Pending"
+        assert st["observedGeneration"] == 1
+        assert {a["arch"]: a["phase"] for a in st["arches"]} == {
+            "sm_90a": "Pending",
+            "sm_120a": "Pending",
+        }
+        job = cluster.jobs(**{LABEL_ARCH: "sm_90a"})[0]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "ghcr.io/kernelcache/examples:0.1.0"
+        assert pod["containers"][0]["command"][:2] == ["kernelcache", "warm"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+        assert (
+            job["metadata"]["ownerReferences"][0]["uid"] == cluster.get("demo")["metadata"]["uid"]
+        )
+        # What the Jobs mount exists: the claim from spec.storage.pvc and the spec ConfigMap.
+        assert cluster.kube.get(path("v1", "persistentvolumeclaims", NS, "kernelcache-demo"))
+        configmaps = cluster.kube.list(path("v1", "configmaps", NS))
+        spec_doc = yaml.safe_load(configmaps[0]["data"]["kernelcache.yaml"])
+        assert spec_doc["spec"]["model"] == "example/elementwise-and-tiled"
+        wait_until(lambda: cluster.reasons("demo").count("JobCreated") == 2, what="events")
+        time.sleep(1.5)  # a few resyncs later: still exactly one Job per arch
+        assert len(cluster.jobs()) == 2
+
+
+def test_job_success_makes_the_arch_ready(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        for arch in ("sm_90a", "sm_120a"):
+            cluster.run("demo", arch)
+        wait_until(lambda: cluster.status("demo").get("phase") == "Compiling", what="Compiling")
+        wait_until(lambda: "Compiling" in cluster.reasons("demo"), what="a Compiling event")
+
+        cluster.finish(
+            cluster.jobs(**{LABEL_ARCH: "sm_90a"})[0], message=result_message("sm_90a", "g90")
+        )
+        ready = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Ready")
+        assert ready["generation"] == "g90"
+        assert ready["artifacts"] == 12 and ready["bytes"] == 4096 * 12
+        assert ready["compileSeconds"] == 41.5
+        assert ready["stampDigest"].startswith("blake3:")
+        assert cluster.status("demo")["phase"] == "Compiling"
+        assert cluster.status("demo")["readyArches"] == "1/2"
+
+        cluster.finish(
+            cluster.jobs(**{LABEL_ARCH: "sm_120a"})[0], message=result_message("sm_120a", "g120")
+        )
+        wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+        st = cluster.status("demo")
+        assert st["readyArches"] == "2/2"
+        conditions = {c["type"]: c for c in st["conditions"]}
+        assert conditions["Ready"]["status"] == "True"
+        assert conditions["Ready"]["observedGeneration"] == 1
+        assert conditions["Progressing"]["status"] == "False"
+        assert conditions["Degraded"]["status"] == "False"
+        wait_until(lambda: {"Published", "Ready"} <= set(cluster.reasons("demo")), what="events")
+        sample = metrics.REGISTRY.get_sample_value
+        labels = {"arch": "sm_90a", "result": "succeeded"}
+        count = sample("kernelcache_operator_compile_job_seconds_count", labels) or 0
+        seconds = sample("kernelcache_operator_compile_job_seconds_sum", labels) or 0
+        assert count >= 1 and seconds / count == pytest.approx(42, abs=2)  # start to Complete
+        assert (sample("kernelcache_operator_kernelcaches", {"phase": "Ready"}) or 0) >= 1
+        assert (sample("kernelcache_operator_reconciles_total", {"result": "ok"}) or 0) >= 1
+
+
+def test_job_failure_fails_the_arch_then_retries(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        first = cluster.run("demo", "sm_90a")
+        cluster.finish(
+            first, failed=True, message="kernelcache: error: cute-dsl: demo_kernels:warm raised"
+        )
+        failed = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Failed")
+        assert "BackoffLimitExceeded" in failed["message"]
+        assert "demo_kernels:warm raised" in failed["message"]
+        assert "retry 2 of 2" in failed["message"]
+        wait_until(lambda: "CompileFailed" in cluster.reasons("demo"), what="a Warning event")
+
+        # After the backoff (2 s here) a new Job with the next attempt number runs.
+        retry = wait_until(
+            lambda: cluster.jobs(**{LABEL_ARCH: "sm_90a", LABEL_ATTEMPT: "1"}), what="the retry Job"
+        )[0]
+        assert retry["metadata"]["name"] == first["metadata"]["name"] + "-r1"
+        wait_until(lambda: cluster.arch("demo", "sm_90a").get("phase") == "Pending")
+
+        cluster.finish(retry, failed=True, message="kernelcache: error: still broken")
+        final = cluster.arch_when("demo", "sm_90a", lambda a: "gave up" in a["message"])
+        assert final["phase"] == "Failed"
+        assert cluster.status("demo")["phase"] == "Degraded"  # sm_120a is still pending
+        degraded = {c["type"]: c for c in cluster.status("demo")["conditions"]}["Degraded"]
+        assert degraded["status"] == "True" and "still broken" in degraded["message"]
+        time.sleep(1.5)
+        assert len(cluster.jobs(**{LABEL_ARCH: "sm_90a"})) == 2  # max attempts reached
+
+
+def test_spec_change_starts_new_jobs_and_keeps_the_published_generation(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        for arch in ("sm_90a", "sm_120a"):
+            cluster.finish(cluster.run("demo", arch), message=result_message(arch, f"old-{arch}"))
+        wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+        old_jobs = cluster.job_names()
+
+        kc = cluster.get("demo")
+        cluster.kube.patch(
+            kernelcache_path(NS, "demo"),
+            {"spec": {"engine": {"image": "ghcr.io/kernelcache/examples:0.2.0"}}},
+        )
+        assert cluster.get("demo")["metadata"]["generation"] == kc["metadata"]["generation"] + 1
+        wait_until(lambda: len(cluster.jobs()) == 4, what="a new generation of Jobs")
+        assert set(old_jobs) < set(cluster.job_names())  # the old generation is left alone
+        new_job = next(
+            j
+            for j in cluster.jobs(**{LABEL_ARCH: "sm_90a"})
+            if j["metadata"]["name"] not in old_jobs
+        )
+        assert new_job["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
+
+        wait_until(lambda: cluster.status("demo").get("observedGeneration") == 2, what="gen 2")
+        pending = cluster.arch("demo", "sm_90a")
+        assert pending["phase"] == "Pending"
+        assert pending["generation"] == "old-sm_90a"  # still what serving pods load
+        assert cluster.status("demo")["readyArches"] == "0/2"
+
+        cluster.finish(new_job, message=result_message("sm_90a", "new-sm_90a"))
+        wait_until(lambda: cluster.arch("demo", "sm_90a").get("generation") == "new-sm_90a")
+
+
+def test_delete_removes_jobs_and_the_finalizer(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: len(cluster.jobs()) == 2, what="Jobs")
+        wait_until(lambda: cluster.get("demo")["metadata"].get("finalizers"), what="a finalizer")
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        assert cluster.jobs() == []
+        # Without retention.deleteDataOnDelete the claim (and the cache on it) stays.
+        assert cluster.kube.get(path("v1", "persistentvolumeclaims", NS, "kernelcache-demo"))
+
+
+def test_delete_with_delete_data_runs_a_cleanup_job(cluster: Cluster) -> None:
+    kc = example(storage={"existingClaim": "shared-cache"}, retention={"deleteDataOnDelete": True})
+    with operator(cluster):
+        cluster.apply(kc)
+        wait_until(lambda: len(cluster.jobs()) == 2, what="Jobs")
+        wait_until(lambda: cluster.get("demo")["metadata"].get("finalizers"), what="a finalizer")
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        cleanup = wait_until(lambda: cluster.jobs(**{"app.kubernetes.io/component": "cleanup"}))[0]
+        command = cleanup["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert command == ["rm", "-rf", "--", "/var/lib/kernelcache/default/demo"]
+        volume = cleanup["spec"]["template"]["spec"]["volumes"][0]
+        assert volume["persistentVolumeClaim"]["claimName"] == "shared-cache"
+        time.sleep(1)
+        assert cluster.exists("demo")  # held by the finalizer until the data is gone
+        cluster.finish(cleanup)
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        assert "Deleted" in cluster.reasons("demo")
+
+
+def test_restart_mid_reconcile_converges_without_duplicates(cluster: Cluster) -> None:
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: len(cluster.jobs()) == 2, what="Jobs")
+    # While no operator runs: one Job finishes, and the status is lost as if the operator
+    # died between creating Jobs and recording them.
+    cluster.finish(
+        cluster.jobs(**{LABEL_ARCH: "sm_90a"})[0], message=result_message("sm_90a", "g90")
+    )
+    cluster.kube.patch(kernelcache_path(NS, "demo") + "/status", {"status": None})
+    assert cluster.status("demo") == {}
+    names = cluster.job_names()
+    with operator(cluster, instance="replica-restarted"):
+        ready = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Ready")
+        assert ready["generation"] == "g90"
+        assert cluster.arch("demo", "sm_120a")["phase"] == "Pending"
+        time.sleep(1.5)
+        assert cluster.job_names() == names
+
+
+def test_invalid_object_gets_a_clear_status_and_others_proceed(cluster: Cluster) -> None:
+    bad = example("bad")
+    bad["spec"]["gpuClasses"][1]["name"] = bad["spec"]["gpuClasses"][0]["name"]
+    with operator(cluster):
+        cluster.apply(bad)
+        cluster.apply(example("good"))
+        wait_until(lambda: cluster.status("bad").get("phase") == "Failed", what="Failed")
+        ready = {c["type"]: c for c in cluster.status("bad")["conditions"]}["Ready"]
+        assert ready["reason"] == "InvalidSpec"
+        assert "spec.gpuClasses[1].name: duplicate of gpuClasses[0].name" in ready["message"]
+        wait_until(lambda: "InvalidSpec" in cluster.reasons("bad"), what="a Warning event")
+        invalid = {"result": "invalid"}
+        assert (
+            metrics.REGISTRY.get_sample_value("kernelcache_operator_reconciles_total", invalid) or 0
+        ) >= 1
+        wait_until(lambda: cluster.status("good").get("readyArches") == "0/2", what="good status")
+        assert all(
+            j["metadata"]["annotations"]["kernelcache.dev/cache"] == "good" for j in cluster.jobs()
+        )
+
+        # Fixed, it is reconciled like any other.
+        cluster.kube.patch(
+            kernelcache_path(NS, "bad"), {"spec": {"gpuClasses": example()["spec"]["gpuClasses"]}}
+        )
+        wait_until(lambda: cluster.status("bad").get("readyArches") == "0/2", what="fixed status")
+        assert len(cluster.jobs()) == 4
+
+
+def test_two_replicas_only_one_reconciles(cluster: Cluster) -> None:
+    with operator(cluster, "--priority", "100", instance="replica-a"):
+        with operator(cluster, "--priority", "200", instance="replica-b"):
+            peering = path("kopf.dev/v1", "clusterkopfpeerings", None, "kernelcache")
+            wait_until(
+                lambda: len(cluster.kube.get(peering).get("status") or {}) == 2, what="peers"
+            )
+            time.sleep(1)  # replica-a sees replica-b and pauses
+            cluster.apply(example("one"))
+            wait_until(lambda: cluster.status("one").get("readyArches") == "0/2", what="status")
+            time.sleep(1)
+            instances = {e["reportingInstance"] for e in cluster.events("one")}
+            assert instances == {"replica-b"}
+            assert len(cluster.jobs()) == 2
+        # replica-b is gone: replica-a takes over.
+        cluster.apply(example("two"))
+        wait_until(lambda: cluster.status("two").get("readyArches") == "0/2", what="status")
+        wait_until(lambda: cluster.events("two"), what="events")
+        assert {e["reportingInstance"] for e in cluster.events("two")} == {"replica-a"}
+
+
+def test_kernelcache_operator_command_serves_liveness_and_metrics(
+    cluster: Cluster, unused_tcp_port_factory: Callable[[], int]
+) -> None:
+    """The shipped entry point, as a process configured by environment alone."""
+    liveness, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    env = {
+        **os.environ,
+        "KERNELCACHE_OPERATOR_LIVENESS": f"http://127.0.0.1:{liveness}/healthz",
+        "KERNELCACHE_OPERATOR_METRICS_PORT": str(metrics_port),
+    }
+    command = [sys.executable, "-m", "kernelcache", "operator"]
+    child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: cluster.emulator.watches["kernelcaches"], what="the operator's watch")
+        cluster.apply(example())
+        wait_until(lambda: cluster.status("demo").get("readyArches") == "0/2", what="status")
+        assert "reconciles" in json.loads(
+            wait_until(lambda: _get(f"http://127.0.0.1:{liveness}/healthz"))
+        )
+        scraped = wait_until(lambda: _get(f"http://127.0.0.1:{metrics_port}/metrics"))
+        assert 'kernelcache_operator_kernelcaches{phase="Pending"} 1.0' in scraped
+        assert 'kernelcache_operator_reconciles_total{result="ok"}' in scraped
+    finally:
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=30)
+    assert child.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None

@@ -1,0 +1,389 @@
+"""The operator's decisions: Jobs, pods and the previous status as dicts in, decisions out."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from kernelcache.operator import state
+from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+POLICY = state.RetryPolicy(max_attempts=3, backoff_seconds=60, backoff_max_seconds=600)
+
+
+def ts(seconds_ago: float) -> str:
+    return state.format_time(NOW - timedelta(seconds=seconds_ago))
+
+
+def job(
+    arch: str = "sm_90a",
+    attempt: int = 0,
+    digest: str = "d1",
+    *,
+    complete: bool = False,
+    failed: bool = False,
+    active: int = 0,
+    finished_ago: float = 10,
+) -> dict[str, Any]:
+    name = f"kc-demo-{arch.replace('_', '-')}-{digest}" + (f"-r{attempt}" if attempt else "")
+    status: dict[str, Any] = {"startTime": ts(finished_ago + 100)}
+    if active:
+        status["active"] = active
+    if complete:
+        status["conditions"] = [
+            {"type": "Complete", "status": "True", "lastTransitionTime": ts(finished_ago)}
+        ]
+    if failed:
+        status["conditions"] = [
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "Job has reached the specified backoff limit",
+                "lastTransitionTime": ts(finished_ago),
+            }
+        ]
+    labels = {LABEL_ARCH: arch, LABEL_ATTEMPT: str(attempt), LABEL_DIGEST: digest}
+    return {"metadata": {"name": name, "labels": labels}, "status": status}
+
+
+def pod(message: str, created: str = "2026-01-01T00:00:00Z", last: bool = False) -> dict[str, Any]:
+    terminated = {"terminated": {"exitCode": 0, "message": message}}
+    container = {"name": "warm", **({"lastState": terminated} if last else {"state": terminated})}
+    return {
+        "metadata": {"creationTimestamp": created},
+        "status": {"containerStatuses": [{"name": "istio-proxy"}, container]},
+    }
+
+
+RESULT = {
+    "arch": "sm_90a",
+    "status": "published",
+    "generation": "g1",
+    "stamp": "blake3:ff",
+    "files": 12,
+    "bytes": 4096,
+    "compiled": 12,
+    "seconds": 41.5,
+    "exit_code": 0,
+    "message": "",
+}
+
+
+# Jobs
+
+
+def test_job_state() -> None:
+    assert state.job_state(job()) == "Pending"
+    assert state.job_state(job(active=1)) == "Compiling"
+    assert state.job_state({"status": {"ready": 1}}) == "Compiling"
+    assert state.job_state(job(complete=True)) == "Succeeded"
+    assert state.job_state(job(failed=True, active=1)) == "Failed"
+    false = {"status": {"conditions": [{"type": "Failed", "status": "False"}]}}
+    assert state.job_state(false) == "Pending"
+    assert state.job_state({}) == "Pending"
+
+
+def test_job_attempt_failure_and_timing() -> None:
+    assert state.job_attempt(job(attempt=2)) == 2
+    assert state.job_attempt({"metadata": {"labels": {LABEL_ATTEMPT: "x"}}}) == 0
+    assert state.job_failure(job(failed=True)) == (
+        "BackoffLimitExceeded: Job has reached the specified backoff limit"
+    )
+    assert state.job_failure(
+        {"status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+    ) == ("Failed")
+    assert state.job_finished_at(job(complete=True, finished_ago=5)) == NOW - timedelta(seconds=5)
+    assert state.job_finished_at(job()) is None
+    assert state.job_seconds(job(complete=True)) == 100.0
+    assert state.job_seconds(job()) is None
+
+
+def test_termination_result_reads_the_newest_warm_container() -> None:
+    assert state.termination_result([]) is None
+    assert state.termination_result([pod("")]) is None
+    assert state.termination_result([pod(json.dumps(RESULT))]) == RESULT
+    older = pod(json.dumps({**RESULT, "generation": "old"}), created="2025-01-01T00:00:00Z")
+    assert state.termination_result([pod(json.dumps(RESULT)), older])["generation"] == "g1"
+    assert state.termination_result([pod(json.dumps(RESULT), last=True)]) == RESULT
+
+
+def test_termination_result_falls_back_to_the_last_log_line() -> None:
+    logs = "warming sm_90a\nkernelcache: error: cute-dsl: demo_kernels:warm raised\n\n"
+    assert state.termination_result([pod(logs)]) == {
+        "status": "failed",
+        "message": "kernelcache: error: cute-dsl: demo_kernels:warm raised",
+    }
+    assert state.termination_result([pod("[1, 2]")])["message"] == "[1, 2]"
+
+
+def test_jobs_by_arch_newest_and_superseded() -> None:
+    jobs = [
+        job("sm_90a", 0, "d1", failed=True),
+        job("sm_90a", 1, "d1", active=1),
+        job("sm_120a", 0, "d1"),
+        job("sm_90a", 0, "d0", active=1),  # an older spec, still running
+        job("sm_120a", 0, "d0", complete=True),  # an older spec, finished
+    ]
+    grouped = state.jobs_by_arch(jobs, "d1")
+    assert sorted(grouped) == ["sm_120a", "sm_90a"]
+    assert len(grouped["sm_90a"]) == 2
+    assert state.job_attempt(state.newest(grouped["sm_90a"]) or {}) == 1
+    assert state.newest([]) is None
+    assert state.superseded(jobs, "d1") == ["kc-demo-sm-90a-d0"]
+
+
+def test_needs_result_only_for_finished_jobs_not_yet_in_status() -> None:
+    ready = {"arch": "sm_90a", "phase": "Ready"}
+    assert state.needs_result(job(complete=True), None, False)
+    assert state.needs_result(job(complete=True), ready, False)
+    assert not state.needs_result(job(complete=True), ready, True)
+    assert state.needs_result(job(failed=True), {"phase": "Failed"}, True)
+    assert not state.needs_result(job(active=1), None, False)
+
+
+def test_retry_policy_doubles_up_to_the_cap() -> None:
+    assert [POLICY.delay(n) for n in range(5)] == [60, 120, 240, 480, 600]
+
+
+# One arch
+
+
+def plan(
+    jobs: list[dict[str, Any]],
+    previous: dict[str, Any] | None = None,
+    *,
+    current: bool = True,
+    result: dict[str, Any] | None = None,
+) -> state.ArchPlan:
+    return state.plan_arch("sm_90a", jobs, previous, current, result, POLICY, NOW)
+
+
+def test_no_job_creates_the_first_attempt() -> None:
+    decided = plan([])
+    assert decided.create_attempt == 0
+    assert decided.progressing
+    assert decided.status == {
+        "arch": "sm_90a",
+        "phase": "Pending",
+        "message": "creating the compile Job",
+    }
+
+
+@pytest.mark.parametrize("phase", ["Ready", "Failed"])
+def test_a_finished_arch_stays_finished_after_its_jobs_expire(phase: str) -> None:
+    previous = {"arch": "sm_90a", "phase": phase, "generation": "g1", "message": "m"}
+    assert plan([], previous) == state.ArchPlan(previous)
+    # ... but a status written for an older metadata.generation means a new spec: build.
+    assert plan([], previous, current=False).create_attempt == 0
+
+
+def test_pending_and_compiling_jobs() -> None:
+    pending = plan([job()])
+    assert pending.status["phase"] == "Pending"
+    assert pending.status["message"] == "Job kc-demo-sm-90a-d1 is waiting to start"
+    assert pending.progressing and pending.create_attempt is None
+    compiling = plan([job(failed=True), job(attempt=1, active=1)])
+    assert compiling.status["phase"] == "Compiling"
+    assert compiling.status["message"] == "Job kc-demo-sm-90a-d1-r1 is compiling (attempt 2 of 3)"
+
+
+def test_a_succeeded_job_makes_the_arch_ready_with_its_result() -> None:
+    decided = plan([job(complete=True)], result=RESULT)
+    assert decided.status == {
+        "arch": "sm_90a",
+        "phase": "Ready",
+        "generation": "g1",
+        "stampDigest": "blake3:ff",
+        "artifacts": 12,
+        "bytes": 4096,
+        "compileSeconds": 41.5,
+        "message": "published by Job kc-demo-sm-90a-d1",
+    }
+    assert not decided.progressing and decided.job is not None
+
+
+def test_a_succeeded_job_without_a_readable_result() -> None:
+    previous = {"arch": "sm_90a", "phase": "Ready", "generation": "g1", "message": "m"}
+    assert plan([job(complete=True)], previous).status == previous
+    unreadable = plan([job(complete=True)], None)
+    assert unreadable.status["phase"] == "Ready"
+    assert "no result was readable" in unreadable.status["message"]
+
+
+def test_a_new_build_keeps_showing_the_published_generation() -> None:
+    published = {
+        "arch": "sm_90a",
+        "phase": "Ready",
+        "generation": "g1",
+        "stampDigest": "s1",
+        "artifacts": 3,
+        "bytes": 9,
+        "compileSeconds": 1.0,
+        "message": "old",
+    }
+    decided = plan([job(digest="d2", active=1)], published, current=False)
+    assert decided.status["phase"] == "Compiling"
+    assert decided.status["generation"] == "g1"
+    assert decided.status["stampDigest"] == "s1"
+    newer = plan([job(digest="d2", complete=True)], published, current=False, result=RESULT)
+    assert newer.status["generation"] == "g1" and newer.status["artifacts"] == 12
+
+
+def test_a_failed_job_waits_for_its_backoff_then_retries() -> None:
+    failure = {"status": "failed", "message": "kernelcache: error: boom"}
+    waiting = plan([job(failed=True, finished_ago=10)], result=failure)
+    assert waiting.status["phase"] == "Failed"
+    assert waiting.create_attempt is None and waiting.progressing
+    assert waiting.status["message"] == (
+        "Job kc-demo-sm-90a-d1: BackoffLimitExceeded: Job has reached the specified backoff "
+        f"limit; kernelcache: error: boom; retry 2 of 3 at {ts(-50)}"
+    )
+    due = plan([job(failed=True, finished_ago=61)], result=failure)
+    assert due.create_attempt == 1
+    assert due.status["phase"] == "Pending"
+    assert due.status["message"].startswith("retrying after Job kc-demo-sm-90a-d1: Backoff")
+    second = plan([job(failed=True), job(attempt=1, failed=True, finished_ago=119)])
+    assert second.create_attempt is None  # the second backoff is 120 s
+
+
+def test_the_last_attempt_failing_gives_up() -> None:
+    jobs = [job(attempt=n, failed=True, finished_ago=10_000) for n in range(3)]
+    decided = plan(jobs)
+    assert decided.status["phase"] == "Failed"
+    assert decided.status["message"].endswith("(gave up after 3 attempt(s))")
+    assert decided.create_attempt is None and not decided.progressing
+
+
+# The whole status
+
+
+@pytest.mark.parametrize(
+    ("phases", "overall"),
+    [
+        (["Ready", "Ready"], "Ready"),
+        (["Failed", "Failed"], "Failed"),
+        (["Failed", "Ready"], "Degraded"),
+        (["Failed", "Compiling"], "Degraded"),
+        (["Ready", "Pending"], "Compiling"),
+        (["Compiling", "Pending"], "Compiling"),
+        (["Pending", "Pending"], "Pending"),
+        ([], "Pending"),
+    ],
+)
+def test_overall_phase(phases: list[str], overall: str) -> None:
+    assert state.overall_phase(phases) == overall
+
+
+def arch_plan(arch: str, phase: str, progressing: bool = False) -> state.ArchPlan:
+    return state.ArchPlan(
+        {"arch": arch, "phase": phase, "message": f"{arch} is {phase}"}, progressing=progressing
+    )
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_summarize_counts_ready_arches_and_sets_conditions() -> None:
+    plans = [arch_plan("sm_90a", "Ready"), arch_plan("sm_120a", "Compiling", progressing=True)]
+    status = state.summarize(plans, 3, {}, NOW)
+    assert status["phase"] == "Compiling"
+    assert status["observedGeneration"] == 3
+    assert status["readyArches"] == "1/2"
+    assert status["arches"] == [p.status for p in plans]
+    found = conditions(status)
+    assert found["Ready"]["status"] == "False" and found["Ready"]["message"] == "1/2 arches ready"
+    assert found["Progressing"]["status"] == "True"
+    assert found["Progressing"]["message"] == "sm_120a: sm_120a is Compiling"
+    assert found["Degraded"]["status"] == "False"
+    assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+    assert all(c["lastTransitionTime"] == state.format_time(NOW) for c in status["conditions"])
+
+    failed = state.summarize([arch_plan("sm_90a", "Failed")], 3, {}, NOW)
+    assert conditions(failed)["Degraded"] == {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "CompileFailed",
+        "message": "sm_90a: sm_90a is Failed",
+        "lastTransitionTime": state.format_time(NOW),
+        "observedGeneration": 3,
+    }
+
+
+def test_conditions_keep_their_transition_time_while_unchanged() -> None:
+    plans = [arch_plan("sm_90a", "Ready")]
+    first = state.summarize(plans, 1, {}, NOW - timedelta(hours=1))
+    again = state.summarize(plans, 1, first, NOW)
+    assert again == first
+    broken = state.summarize([arch_plan("sm_90a", "Failed")], 2, first, NOW)
+    assert conditions(broken)["Ready"]["lastTransitionTime"] == state.format_time(NOW)
+    earlier = conditions(first)["Progressing"]["lastTransitionTime"]
+    assert conditions(broken)["Progressing"]["lastTransitionTime"] == earlier
+
+
+def test_invalid_status_names_the_field_and_keeps_what_is_published() -> None:
+    previous = state.summarize([arch_plan("sm_90a", "Ready")], 1, {}, NOW)
+    message = "default/demo: spec.storage: set exactly one of existingClaim or pvc"
+    status = state.invalid_status(previous, message, 2, NOW)
+    assert status["phase"] == "Failed"
+    assert status["observedGeneration"] == 2
+    assert status["arches"] == previous["arches"] and status["readyArches"] == "1/1"
+    found = conditions(status)
+    assert found["Ready"]["reason"] == "InvalidSpec" and found["Ready"]["message"] == message
+    assert found["Degraded"]["status"] == "True"
+    assert found["Progressing"]["status"] == "False"
+    assert state.invalid_status({}, message, 1, NOW)["readyArches"] is None
+
+
+def test_normalized_status_has_exactly_the_operators_keys() -> None:
+    assert state.normalized(None) == dict.fromkeys(state.STATUS_KEYS)
+    assert state.normalized({"phase": "Ready", "kopf": {}})["phase"] == "Ready"
+    assert "kopf" not in state.normalized({"kopf": {}})
+
+
+# Events
+
+
+def test_transitions_post_one_event_per_change() -> None:
+    pending = state.summarize([arch_plan("sm_90a", "Pending")], 1, {}, NOW)
+    compiling = state.summarize([arch_plan("sm_90a", "Compiling")], 1, pending, NOW)
+    ready = state.summarize([arch_plan("sm_90a", "Ready")], 1, compiling, NOW)
+    assert state.transitions({}, pending) == []
+    assert state.transitions(pending, compiling) == [
+        state.Event("Normal", "Compiling", "sm_90a: sm_90a is Compiling")
+    ]
+    assert state.transitions(compiling, ready) == [
+        state.Event("Normal", "Published", "sm_90a: sm_90a is Ready"),
+        state.Event("Normal", "Ready", "all arches ready (1/1)"),
+    ]
+    assert state.transitions(ready, ready) == []
+
+
+def test_transitions_warn_on_failures_and_invalid_specs() -> None:
+    compiling = state.summarize([arch_plan("sm_90a", "Compiling")], 1, {}, NOW)
+    failed = state.summarize([arch_plan("sm_90a", "Failed")], 1, compiling, NOW)
+    assert state.transitions(compiling, failed) == [
+        state.Event("Warning", "CompileFailed", "sm_90a: sm_90a is Failed")
+    ]
+    assert state.transitions(failed, failed) == []
+    gave_up = {**failed, "arches": [{**failed["arches"][0], "message": "gave up"}]}
+    assert state.transitions(failed, gave_up) == [
+        state.Event("Warning", "CompileFailed", "sm_90a: gave up")
+    ]
+    invalid = state.invalid_status(failed, "spec.model: required field is missing", 2, NOW)
+    assert state.transitions(failed, invalid) == [
+        state.Event("Warning", "InvalidSpec", "spec.model: required field is missing")
+    ]
+    assert state.transitions(invalid, invalid) == []
+
+
+def test_a_failure_without_a_transition_time_counts_from_the_jobs_creation() -> None:
+    undated = job(failed=True)
+    del undated["status"]["conditions"][0]["lastTransitionTime"]
+    undated["metadata"]["creationTimestamp"] = ts(3600)
+    assert plan([undated]).create_attempt == 1
