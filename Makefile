@@ -16,13 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The tests also drive torch.compile, Triton and FlashInfer's JIT on the CPU, and the kopf
-# operator against an emulated API server. torch is pinned first:
-# that release is the CPU build, where an unpinned torch (asked for by FlashInfer too) would
-# pull a multi-GB CUDA build.
+# operator against an emulated API server (with the real kubectl, installed into .tools/bin).
+# torch is pinned first: that release is the CPU build, where an unpinned torch (asked for by
+# FlashInfer too) would pull a multi-GB CUDA build.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q flashinfer-python==0.7.4 triton==3.6.0
 	$(PY) -m pip install -q -e '.[cute,dev,operator]'
+	bash scripts/install-kube-tools.sh
 	touch $@
 
 # Build the example cache for every arch of the spec (CPU is enough: CuTe-DSL cross-compiles),

@@ -1,9 +1,9 @@
-"""A test double for the Kubernetes API server: kmock's emulator plus what the operator needs.
+"""A test double for the Kubernetes API server: kmock's emulator plus what our clients need.
 
 No API server can run where these tests run (no kube-apiserver, kind, k3s or Docker engine),
 so the operator's integration tests run kopf for real against kmock's in-memory Kubernetes
 emulator over HTTP. kmock 0.8 stores objects as plain JSON; this subclass adds the parts of
-API-server behaviour that kopf and the operator rely on:
+API-server behaviour that kopf, the operator and kubectl rely on:
 
 - ``uid``, ``creationTimestamp``, ``generateName``, ``metadata.generation`` (bumped when
   anything but metadata and status changes) and ``resourceVersion`` (one global counter,
@@ -15,12 +15,20 @@ API-server behaviour that kopf and the operator rely on:
   resume from it without losing writes (kmock replays the objects first and subscribes to
   new events only afterwards, dropping whatever happened in between);
 - lookups by key: kmock finds the object a fetch, list or write is about by scanning every
-  object of every kind, which a benchmark with thousands of objects cannot afford.
+  object of every kind, which a benchmark with thousands of objects cannot afford;
+- what ``kubectl apply`` and ``kubectl get`` need of a custom resource: a
+  CustomResourceDefinition written through the API is served in discovery like one passed to
+  ``declare``, with its short names (its subresources without them); lists carry their
+  ``kind``; a fetch or list asked for as a ``meta.k8s.io/v1`` Table (kubectl's
+  ``Accept: application/json;as=Table;...``) is rendered from the CRD's
+  ``additionalPrinterColumns`` (simple ``.a.b`` JSONPaths only; built-in kinds get plain JSON,
+  which kubectl prints itself).
 
-It does not validate objects against schemas, run controllers (no Job ever starts: tests
-write Job status themselves) or collect garbage by owner references. kmock also mis-parses
-``/api/v1/namespaces``; nothing here needs it (the operator watches either every namespace
-or namespaces named exactly, never a glob), so it is left alone.
+It does not validate objects against schemas (kubectl needs ``--validate=false``: no OpenAPI
+document is served), stop serving a deleted CRD's resource, run controllers (no Job ever
+starts: tests write Job status themselves) or collect garbage by owner references. kmock
+also mis-parses ``/api/v1/namespaces``; nothing here needs it (the operator watches either
+every namespace or namespaces named exactly, never a glob), so it is left alone.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -97,21 +106,23 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         factory=lambda: collections.defaultdict(dict), init=False
     )
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    # additionalPrinterColumns of each declared custom resource, by "group/version/plural".
+    _columns: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
 
     def declare(self, crd: dict[str, Any]) -> None:
         """Serve a CustomResourceDefinition's resource (discovery only: schemas are not checked)."""
         spec, names = crd["spec"], crd["spec"]["names"]
         for version in spec["versions"]:
-            self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
-                kmock.ResourceInfo(
-                    kind=names["kind"],
-                    singular=names.get("singular"),
-                    namespaced=spec["scope"] == "Namespaced",
-                    shortnames=set(names.get("shortNames") or ()),
-                    categories=set(names.get("categories") or ()),
-                    verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-                    subresources=set(version.get("subresources") or ()),
-                )
+            key = f"{spec['group']}/{version['name']}/{names['plural']}"
+            self._columns[key] = list(version.get("additionalPrinterColumns") or ())
+            self.resources[key] = kmock.ResourceInfo(
+                kind=names["kind"],
+                singular=names.get("singular"),
+                namespaced=spec["scope"] == "Namespaced",
+                shortnames=set(names.get("shortNames") or ()),
+                categories=set(names.get("categories") or ()),
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+                subresources=set(version.get("subresources") or ()),
             )
 
     def _next_revision(self) -> str:
@@ -151,6 +162,7 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = self._next_revision()
             key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
             self._keys[request.resource][key] = None
+            self._declare_if_crd(request, body)
             return body
         key = (request.resource, request.namespace, request.name)
         if key not in self._objects or self._objects[key].deleted:
@@ -159,7 +171,20 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         if request.action == action.DELETE:
             self._objects[key].patch({"metadata": {"resourceVersion": self._next_revision()}})
             return request.data
-        return [{"op": "replace", "path": "", "value": self._updated(request, current)}]
+        new = self._updated(request, current)
+        self._declare_if_crd(request, new)
+        return [{"op": "replace", "path": "", "value": new}]
+
+    def _declare_if_crd(self, request: Request, obj: dict[str, Any]) -> None:
+        """A CustomResourceDefinition written through the API serves its resource, as declared."""
+        resource = request.resource
+        if (
+            resource is not None
+            and (resource.group, resource.plural)
+            == ("apiextensions.k8s.io", "customresourcedefinitions")
+            and request.subresource is None
+        ):
+            self.declare(obj)
 
     def _updated(self, request: Request, current: dict[str, Any]) -> dict[str, Any]:
         patch = request.data
@@ -204,7 +229,8 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         key = (request.resource, request.namespace, request.name)
         if key not in self._objects or self._objects[key].deleted:
             raise kmock.KubernetesObjectNotFoundError()
-        return self._objects[key].raw
+        obj = self._objects[key].raw
+        return self._table(request, [obj], {}) or obj
 
     async def _serve_create(self, request: Request) -> Payload:
         meta = request.data["metadata"]
@@ -216,11 +242,75 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
     _serve_delete = _serve_update
 
     async def _serve_list(self, request: Request) -> Payload:
-        if request.resource not in self.resources:
+        resource = request.resource
+        if resource is None or resource not in self.resources:
             raise kmock.KubernetesResourceNotFoundError()
         selector = request.params.get("labelSelector")
         items = [obj for obj in self._current(request) if label_selected(obj, selector)]
-        return {"metadata": {"resourceVersion": str(self._revision)}, "items": items}
+        meta = {"resourceVersion": str(self._revision)}
+        kind = getattr(self.resources[resource], "kind", None) or ""
+        group, version = resource.group, resource.version
+        return self._table(request, items, meta) or {
+            "apiVersion": f"{group}/{version}" if group else version,
+            "kind": f"{kind}List",
+            "metadata": meta,
+            "items": items,
+        }
+
+    async def _serve_version(self, request: Request) -> Payload:
+        # kmock lists a subresource (kernelcaches/status) with its resource's short names;
+        # the API server gives them none, and kubectl warns of an ambiguous short name.
+        listing: Any = await super()._serve_version(request)
+        for entry in listing["resources"]:
+            if "/" in entry["name"]:
+                entry.update(shortNames=[], categories=[])
+        return listing
+
+    def _table(
+        self, request: Request, objs: list[dict[str, Any]], meta: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Objects as the Table kubectl asks for, for a declared custom resource; else None.
+
+        As the API server's table converter for custom resources: a Name column, then the
+        printer columns; ``date`` columns print as an age; a missing value is null.
+        """
+        accept = next((v for k, v in request.headers.items() if k.lower() == "accept"), "")
+        resource = request.resource
+        if "as=Table" not in accept or resource is None:
+            return None
+        columns = self._columns.get(f"{resource.group}/{resource.version}/{resource.plural}")
+        if columns is None:
+            return None
+        include = request.params.get("includeObject") or "Metadata"
+        definitions = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
+        definitions += [
+            {
+                "name": c["name"],
+                "type": c["type"],
+                "format": c.get("format", ""),
+                "description": c.get("description", ""),
+                "priority": c.get("priority", 0),
+            }
+            for c in columns
+        ]
+        rows = []
+        for obj in objs:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            cells += [_cell(obj, c["jsonPath"], c["type"]) for c in columns]
+            row: dict[str, Any] = {"cells": cells}
+            if include == "Object":
+                row["object"] = obj
+            elif include != "None":
+                partial = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1"}
+                row["object"] = {**partial, "metadata": obj["metadata"]}
+            rows.append(row)
+        return {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": meta,
+            "columnDefinitions": definitions,
+            "rows": rows,
+        }
 
     async def _serve_watch(self, request: Request) -> AsyncIterator[Payload]:
         yield b""  # send the headers now, even if nothing happens for a while
@@ -247,6 +337,41 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _cell(obj: dict[str, Any], json_path: str, kind: str) -> Any:
+    """The value at a simple JSONPath (``.a.b``) as a table cell: None when missing."""
+    value: Any = obj
+    for part in json_path.strip().removeprefix("{").removesuffix("}").strip(".").split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    if kind == "date" and isinstance(value, str):
+        try:
+            then = datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        except ValueError:
+            return "<unknown>"
+        return _age((datetime.now(timezone.utc) - then).total_seconds())
+    return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+
+def _age(seconds: float) -> str:
+    """A duration as kubectl's AGE column prints it (k8s.io/apimachinery HumanDuration)."""
+    s = max(int(seconds), 0)
+    m, h, d = s // 60, s // 3600, s // 86400
+    if s < 120:
+        return f"{s}s"
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if m < 180:
+        return f"{m}m"
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    if h < 192:
+        return f"{d}d{h % 24}h" if h % 24 else f"{d}d"
+    return f"{d}d"
 
 
 def _content(obj: dict[str, Any]) -> dict[str, Any]:

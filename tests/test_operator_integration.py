@@ -168,9 +168,18 @@ def example(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    with emulated_cluster(tmp_path, monkeypatch, [crd_manifest(), *peering_crds()]) as cluster:
+        yield cluster
+
+
+@contextmanager
+def emulated_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crds: list[dict[str, Any]]
+) -> Iterator[Cluster]:
+    """A fresh emulator serving ``crds``, the kubernetes client and ``$KUBECONFIG`` on it."""
     with serving() as (emulator, url):
         emulator.resources.load_bundled()
-        for crd in [crd_manifest(), *peering_crds()]:
+        for crd in crds:
             emulator.declare(crd)
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
