@@ -217,6 +217,33 @@ def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(
     assert "FLASHINFER_DISABLE_JIT" not in installed(without_aot, KERNELCACHE_STRICT="1")["set"]
 
 
+def test_the_init_containers_env_file_names_the_generation(tmp_path):
+    """The webhook sets KERNELCACHE_ENV_FILE; the init-container wrote the generation there."""
+    generation = make_generation(tmp_path / "store", {"cute-dsl/k.o": b"\x7fELF"})
+    env_file = tmp_path / "kernelcache.env"
+    env_file.write_text(f"KERNELCACHE_DIR='{generation}'\nKERNELCACHE_NAME='demo name'\n")
+    script = (
+        "import json; from kernelcache import runtime; r = runtime.install()\n"
+        "print(json.dumps([r.manifest.generation, r.config.name]))\n"
+    )
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            env=subprocess_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    proc = run(KERNELCACHE_ENV_FILE=str(env_file))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [generation.name, "demo name"]
+    missing = run(KERNELCACHE_ENV_FILE=str(tmp_path / "absent.env"), KERNELCACHE_STRICT="1")
+    assert missing.returncode != 0
+    assert "absent.env: cannot read" in missing.stderr
+
+
 @pytest.mark.skipif(not _importable("flashinfer"), reason="flashinfer is not installed")
 def test_flashinfer_finds_its_aot_modules_in_the_generation(tmp_path):
     generation = make_generation(tmp_path, {"flashinfer/aot/decode/decode.so": b"\x7fELF"})

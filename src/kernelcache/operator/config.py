@@ -88,6 +88,19 @@ class OperatorConfig(BaseModel):
     # How often the finalizer re-checks a running cleanup Job.
     cleanup_poll_seconds: float = Field(default=10.0, gt=0)
 
+    # Image of the init-container the mutating webhook adds to labelled serving pods (its
+    # entrypoint is `kernelcache verify`; see initcontainer/Dockerfile).
+    init_image: str = Field(default="ghcr.io/kernelcache/kernelcache-init:0.1.0", min_length=1)
+
+    # HTTPS port of the admission webhooks (pod injection, KernelCache validation); 0 serves
+    # none, and then the webhook configurations must not point at this operator.
+    webhook_port: int = Field(default=0, ge=0, le=65535)
+
+    # Directory holding the webhook's serving certificate as tls.crt and tls.key (a
+    # kubernetes.io/tls Secret mounted there); empty: kopf generates a self-signed one,
+    # which needs kopf's certificate extra (certbuilder).
+    webhook_tls_dir: str = "/etc/kernelcache/webhook-tls"
+
     @field_validator("namespaces", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:

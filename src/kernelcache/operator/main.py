@@ -8,15 +8,16 @@ configuration comes from ``KERNELCACHE_OPERATOR_*`` (see ``config``), peering in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import kopf
 
-from kernelcache.operator import metrics
+from kernelcache.operator import metrics, webhook
 from kernelcache.operator.config import OperatorConfig
 from kernelcache.operator.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.operator.handlers.handle_reconcile_kernelcache import (
@@ -67,6 +68,25 @@ def _configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = MANAGED_BY
     if settings.posting.reporting_instance == defaults.posting.reporting_instance:
         settings.posting.reporting_instance = socket.gethostname()  # the pod's name
+    settings.admission.server = _webhook_server() if CONFIG.webhook_port else _no_webhook_server
+
+
+def _webhook_server() -> kopf.WebhookServer:
+    """HTTPS on webhook_port, with the certificate from webhook_tls_dir (else self-signed)."""
+    tls = CONFIG.webhook_tls_dir
+    return kopf.WebhookServer(
+        addr="0.0.0.0",
+        port=CONFIG.webhook_port,
+        certfile=f"{tls}/tls.crt" if tls else None,
+        pkeyfile=f"{tls}/tls.key" if tls else None,
+    )
+
+
+async def _no_webhook_server(_: Any) -> AsyncIterator[Any]:
+    """webhook_port 0: the admission handlers stay registered and nothing serves them (kopf
+    refuses to start with admission handlers but no server)."""
+    await asyncio.Event().wait()
+    yield {}  # never reached: it makes this the async generator kopf expects
 
 
 def _post(reconciled: Reconciled | None) -> None:
@@ -125,6 +145,35 @@ def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         raise kopf.TemporaryError(done.message, delay=CONFIG.cleanup_poll_seconds)
     failed = done.outcome is Cleanup.FAILED
     kopf.event(body, type="Warning" if failed else "Normal", reason="Deleted", message=done.message)
+
+
+def _operation(kwargs: dict[str, Any]) -> str:
+    """The admission request's operation (kopf passes it, outside its typed protocol)."""
+    return str(kwargs.get("operation") or "CREATE")
+
+
+@kopf.on.mutate("pods", labels={webhook.LABEL_CACHE: kopf.PRESENT}, operations=["CREATE"])
+def inject(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A labelled serving pod: add the verify init-container, the cache volumes and env."""
+    pod, operation = dict(body), _operation(kwargs)
+    try:
+        kc = webhook.lookup(pod, memo.kube.get, operation)
+        ops = webhook.mutate_pod(pod, kc, CONFIG, operation=operation, warnings=warnings)
+    except webhook.Denied as exc:
+        raise kopf.AdmissionError(str(exc), code=403) from None
+    if ops:
+        patch["spec"] = webhook.spec_patch(pod, ops)
+
+
+@kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])
+def validate(body: kopf.Body, **kwargs: Any) -> None:
+    """Refuse a KernelCache the CRD schema lets through, naming the field."""
+    try:
+        webhook.validate_kernelcache(dict(body), _operation(kwargs))
+    except webhook.Denied as exc:
+        raise kopf.AdmissionError(str(exc), code=422) from None
 
 
 @kopf.on.probe(id="reconciles")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -185,6 +186,7 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     global _installed
     if _installed is not None:
         return _installed
+    _read_env_file()
     config = RuntimeConfig.from_env()
     if generation_dir is not None:
         config = replace(config, generation_dir=Path(generation_dir))
@@ -199,6 +201,35 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
         runtime.metrics_port = _serve(config)
     _installed = runtime
     return runtime
+
+
+ENV_FILE_VAR = "KERNELCACHE_ENV_FILE"
+
+
+def _read_env_file() -> None:
+    """Take the init-container's ``kernelcache.env`` (``$KERNELCACHE_ENV_FILE``) as defaults.
+
+    The init-container writes ``NAME=value`` lines (shell-quoted) naming the materialized
+    generation; variables set on the container itself win. A named file that is missing
+    means the init-container did not run: counted as serving without a generation, and
+    refused in strict mode.
+    """
+    path = os.environ.get(ENV_FILE_VAR)
+    if not path:
+        return
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        message = f"{ENV_FILE_VAR}={path}: cannot read: {exc.strerror}"
+        if os.environ.get("KERNELCACHE_STRICT") == "1":
+            raise StorageError(message, path=path) from None
+        log.warning("kernelcache: %s; serving without a generation", message)
+        return
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if len(words) == 1 and "=" in words[0]:
+            name, _, value = words[0].partition("=")
+            os.environ.setdefault(name, value)
 
 
 def _open_generation(runtime: Runtime, directory: Path) -> Path | None:

@@ -1,0 +1,360 @@
+"""Admission decisions: inject the verify init-container into serving pods; validate specs.
+
+Pure functions over plain dicts; ``main`` registers them with kopf and turns ``Denied`` into
+an admission error. Nothing here talks to the API server except through the ``get`` callable
+``lookup`` is handed.
+
+A serving pod labelled ``kernelcache.dev/cache: <name>`` (the KernelCache of that name in the
+pod's namespace) gets, as JSON-patch ``add`` operations:
+
+- the init-container ``kernelcache`` (``kernelcache verify``, the image of
+  ``OperatorConfig.init_image``): the cache's claim mounted read-only at
+  ``OperatorConfig.store_mount_path`` (into it alone), the node name from the downward API,
+  the engine image and policy from the KernelCache, ``--materialize /kernelcache``; with
+  signing enabled, the public key ``kernelcache.pub`` from the signing Secret (only that key
+  is projected, so the pod never sees the private one) and ``--require-signature``;
+- the emptyDir ``kernelcache`` at ``/kernelcache``: written by the init-container, read-only
+  in every serving container;
+- in every serving container: ``KERNELCACHE_RUNTIME=1``,
+  ``KERNELCACHE_ENV_FILE=/kernelcache/kernelcache.env`` (what verify wrote: the generation
+  directory and its identity), ``KERNELCACHE_STRICT=1`` under the strict policy, and
+  ``FLASHINFER_DISABLE_JIT=1`` under the strict policy when the KernelCache is annotated
+  ``kernelcache.dev/flashinfer-aot: "true"``. A variable the container already sets is left
+  as the pod's author wrote it.
+
+The FlashInfer AOT signal is an annotation, not a status field, because the CRD's status
+schema prunes unknown fields. Whoever publishes sets it only when the current generation of
+every arch holds FlashInfer AOT modules (``files/flashinfer/aot``): the pod may land on any
+arch, and ``FLASHINFER_DISABLE_JIT`` refuses every module that is not prebuilt (see
+``docs/flashinfer.md``). Absent or anything but ``"true"``: off.
+
+Pod annotations:
+
+- ``kernelcache.dev/image-policy``: ``deny`` (default) refuses a pod whose serving container
+  runs another image than the KernelCache's ``spec.engine.image``; ``warn`` admits it with an
+  admission warning (the init-container still verifies the generation against the
+  KernelCache's image, and the runtime's stamp check sees the difference);
+- ``kernelcache.dev/containers``: comma-separated names of the serving containers; default
+  all of ``spec.containers`` (list them when the pod has sidecars in other images).
+
+Injection happens on CREATE only (a pod's containers cannot change afterwards) and once: a
+pod that already has the ``kernelcache`` init-container gets an empty patch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from kernelcache.errors import SpecError
+from kernelcache.initcontainer import ENV_FILE, image_matches
+from kernelcache.operator.config import OperatorConfig
+from kernelcache.operator.kube import ApiError, kernelcache_path
+from kernelcache.operator.manifests import (
+    SIGNING_DIR,
+    TERMINATION_LOG,
+    claim_name,
+    image_of,
+)
+from kernelcache.spec import KernelCache, parse_kernelcache
+
+LABEL_CACHE = "kernelcache.dev/cache"
+ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
+ANNOTATION_CONTAINERS = "kernelcache.dev/containers"
+ANNOTATION_FLASHINFER_AOT = "kernelcache.dev/flashinfer-aot"
+IMAGE_POLICIES = ("deny", "warn")
+
+INIT_CONTAINER = "kernelcache"
+CACHE_VOLUME = "kernelcache"
+STORE_VOLUME = "kernelcache-store"
+KEY_VOLUME = "kernelcache-key"
+CACHE_DIR = "/kernelcache"
+PUBLIC_KEY_FILE = "kernelcache.pub"  # what `kernelcache keygen` writes beside kernelcache.key
+
+Patch = list[dict[str, Any]]
+
+
+class Denied(Exception):
+    """The admission request is refused; the message is one line for the API client."""
+
+
+def cache_name(pod: dict[str, Any]) -> str | None:
+    """The KernelCache a pod asks for by its label; None when it has no such label."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    value = labels.get(LABEL_CACHE)
+    return None if value is None else str(value)
+
+
+def injected(pod: dict[str, Any]) -> bool:
+    """Whether the pod already has the init-container (a re-admission)."""
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return any(c.get("name") == INIT_CONTAINER for c in inits)
+
+
+def _pod_ref(pod: dict[str, Any]) -> tuple[str, str]:
+    meta = pod.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or meta.get("generateName") or "?"
+
+
+def lookup(
+    pod: dict[str, Any], get: Callable[[str], dict[str, Any]], operation: str = "CREATE"
+) -> dict[str, Any] | None:
+    """The KernelCache a pod needs injected, read with ``get`` (a GET by API path).
+
+    None when there is nothing to read: not a CREATE, no label, already injected, or the
+    KernelCache does not exist (which ``mutate_pod`` then refuses).
+    """
+    name = cache_name(pod)
+    namespace, _ = _pod_ref(pod)
+    if operation != "CREATE" or not name or not namespace or injected(pod):
+        return None
+    try:
+        return get(kernelcache_path(namespace, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise Denied(f"cannot read KernelCache {namespace}/{name}: {exc}") from None
+
+
+def _annotations(obj: dict[str, Any]) -> dict[str, str]:
+    return (obj.get("metadata") or {}).get("annotations") or {}
+
+
+def _serving(pod: dict[str, Any], where: str) -> list[tuple[int, dict[str, Any]]]:
+    """The serving containers with their index in ``spec.containers``."""
+    containers = list(enumerate((pod.get("spec") or {}).get("containers") or []))
+    listed = _annotations(pod).get(ANNOTATION_CONTAINERS)
+    if listed is None:
+        return containers
+    wanted = [n.strip() for n in listed.split(",") if n.strip()]
+    names = {c.get("name") for _, c in containers}
+    unknown = [n for n in wanted if n not in names]
+    if unknown or not wanted:
+        raise Denied(
+            f"pod {where}: annotation {ANNOTATION_CONTAINERS}={listed!r} names no container "
+            f"of the pod ({', '.join(unknown) or 'empty list'})"
+        )
+    return [(i, c) for i, c in containers if c.get("name") in wanted]
+
+
+def _check_images(
+    pod: dict[str, Any],
+    serving: list[tuple[int, dict[str, Any]]],
+    kc: KernelCache,
+    where: str,
+    warnings: list[str] | None,
+) -> None:
+    policy = _annotations(pod).get(ANNOTATION_IMAGE_POLICY, "deny")
+    if policy not in IMAGE_POLICIES:
+        raise Denied(
+            f"pod {where}: annotation {ANNOTATION_IMAGE_POLICY}={policy!r}: "
+            f"expected one of {', '.join(IMAGE_POLICIES)}"
+        )
+    expected = image_of(kc)
+    kc_ref = f"KernelCache {kc.metadata.namespace}/{kc.metadata.name}"
+    for _, container in serving:
+        image = str(container.get("image") or "")
+        if image_matches(expected, image):
+            continue
+        message = (
+            f"pod {where}: container {container.get('name')!r} runs image {image!r}, but "
+            f"{kc_ref} caches kernels for spec.engine.image {expected!r}"
+        )
+        if policy == "deny":
+            raise Denied(f"{message} (set {ANNOTATION_IMAGE_POLICY}: warn to admit it anyway)")
+        if warnings is not None:
+            warnings.append(f"{message}; admitted because {ANNOTATION_IMAGE_POLICY} is warn")
+
+
+def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
+    """``kernelcache verify`` for this KernelCache: fails closed, so the pod does not start."""
+    args = [
+        "--store", config.store_mount_path,
+        "--namespace", kc.metadata.namespace, "--name", kc.metadata.name,
+        "--expect-image", image_of(kc),
+        "--policy", kc.spec.verification.policy,
+        "--materialize", CACHE_DIR,
+        "--termination-log", TERMINATION_LOG,
+    ]  # fmt: skip
+    mounts = [
+        {"name": STORE_VOLUME, "mountPath": config.store_mount_path, "readOnly": True},
+        {"name": CACHE_VOLUME, "mountPath": CACHE_DIR},
+    ]
+    if kc.spec.verification.signing.enabled:
+        args += ["--public-key", f"{SIGNING_DIR}/{PUBLIC_KEY_FILE}", "--require-signature"]
+        mounts.append({"name": KEY_VOLUME, "mountPath": SIGNING_DIR, "readOnly": True})
+    return {
+        "name": INIT_CONTAINER,
+        "image": config.init_image,
+        "command": ["kernelcache", "verify"],
+        "args": args,
+        "env": [
+            {
+                "name": "KERNELCACHE_NODE_NAME",
+                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+            }
+        ],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": config.run_as_user,
+            "runAsGroup": config.run_as_group,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": mounts,
+    }
+
+
+def volumes(kc: KernelCache) -> list[dict[str, Any]]:
+    """The claim (read-only), the emptyDir and, with signing, the public key only."""
+    found = [
+        {
+            "name": STORE_VOLUME,
+            "persistentVolumeClaim": {"claimName": claim_name(kc), "readOnly": True},
+        },
+        {"name": CACHE_VOLUME, "emptyDir": {}},
+    ]
+    signing = kc.spec.verification.signing
+    if signing.enabled and signing.secret_name:
+        items = [{"key": PUBLIC_KEY_FILE, "path": PUBLIC_KEY_FILE}]
+        found.append(
+            {"name": KEY_VOLUME, "secret": {"secretName": signing.secret_name, "items": items}}
+        )
+    return found
+
+
+def serving_env(kc: KernelCache, raw: dict[str, Any]) -> list[dict[str, str]]:
+    """The variables every serving container gets (``raw``: the KernelCache as read)."""
+    strict = kc.spec.verification.policy == "strict"
+    env = {"KERNELCACHE_RUNTIME": "1", "KERNELCACHE_ENV_FILE": f"{CACHE_DIR}/{ENV_FILE}"}
+    if strict:
+        env["KERNELCACHE_STRICT"] = "1"
+        if _annotations(raw).get(ANNOTATION_FLASHINFER_AOT) == "true":
+            env["FLASHINFER_DISABLE_JIT"] = "1"
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _append(ops: Patch, obj: dict[str, Any], path: str, key: str, items: list[Any]) -> None:
+    """``add`` ops appending ``items`` to the list ``obj[key]`` at ``path``, made if absent."""
+    if not items:
+        return
+    if key not in obj or obj[key] is None:
+        ops.append({"op": "add", "path": f"{path}/{key}", "value": items})
+    else:
+        ops.extend({"op": "add", "path": f"{path}/{key}/-", "value": item} for item in items)
+
+
+def mutate_pod(
+    pod: dict[str, Any],
+    kernelcache: dict[str, Any] | None,
+    config: OperatorConfig,
+    *,
+    operation: str = "CREATE",
+    warnings: list[str] | None = None,
+) -> Patch:
+    """JSON-patch ops that make a labelled pod verify and use its KernelCache's generation.
+
+    Empty for a pod without the label, one already injected, or any operation but CREATE.
+    Raises ``Denied`` when the KernelCache does not exist or is invalid, when a serving
+    container's image differs from ``spec.engine.image`` under the deny image policy, or when
+    a name the injection needs is already taken in the pod. Image warnings (warn policy) are
+    appended to ``warnings``.
+    """
+    name = cache_name(pod)
+    if operation != "CREATE" or name is None or injected(pod):
+        return []
+    namespace, pod_name = _pod_ref(pod)
+    where = f"{namespace}/{pod_name}"
+    if not namespace:
+        raise Denied(f"pod {pod_name}: no metadata.namespace to find its KernelCache in")
+    if not name:
+        raise Denied(f"pod {where}: label {LABEL_CACHE} is empty; set it to a KernelCache name")
+    if kernelcache is None:
+        raise Denied(
+            f"pod {where}: KernelCache {namespace}/{name} (label {LABEL_CACHE}) does not exist"
+        )
+    try:
+        kc = parse_kernelcache(kernelcache, f"KernelCache {namespace}/{name}")
+    except SpecError as exc:
+        raise Denied(exc.message) from None
+
+    spec = pod.get("spec") or {}
+    serving = _serving(pod, where)
+    _check_images(pod, serving, kc, where, warnings)
+    new_volumes = volumes(kc)
+    taken = {v.get("name") for v in spec.get("volumes") or []} & {v["name"] for v in new_volumes}
+    if taken:
+        raise Denied(f"pod {where}: volume {sorted(taken)[0]!r} exists; kernelcache needs the name")
+
+    ops: Patch = []
+    _append(ops, spec, "/spec", "initContainers", [init_container(kc, config)])
+    _append(ops, spec, "/spec", "volumes", new_volumes)
+    env = serving_env(kc, kernelcache)
+    mount = {"name": CACHE_VOLUME, "mountPath": CACHE_DIR, "readOnly": True}
+    for i, container in serving:
+        if any(m.get("mountPath") == CACHE_DIR for m in container.get("volumeMounts") or []):
+            raise Denied(
+                f"pod {where}: container {container.get('name')!r} mounts {CACHE_DIR} already"
+            )
+        have = {e.get("name") for e in container.get("env") or []}
+        _append(
+            ops,
+            container,
+            f"/spec/containers/{i}",
+            "env",
+            [e for e in env if e["name"] not in have],
+        )
+        _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount])
+    return ops
+
+
+def apply_ops(obj: dict[str, Any], ops: Patch) -> dict[str, Any]:
+    """A copy of ``obj`` with the ``add`` ops of ``mutate_pod`` applied (RFC 6902 ``add``)."""
+    result = copy.deepcopy(obj)
+    for op in ops:
+        if op["op"] != "add":
+            raise ValueError(f"only add ops are applied here, got {op['op']!r}")
+        *parents, last = op["path"].split("/")[1:]
+        target: Any = result
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        value = copy.deepcopy(op["value"])
+        if isinstance(target, list):
+            target.insert(len(target) if last == "-" else int(last), value)
+        else:
+            target[last] = value
+    return result
+
+
+def spec_patch(pod: dict[str, Any], ops: Patch) -> dict[str, Any]:
+    """The ops as a merge patch of the pod's spec: each list they touch, whole and updated.
+
+    kopf takes handler patches as merge patches and sends the API server their JSON-patch
+    difference from the admitted pod, so this yields the same change as ``ops``.
+    """
+    touched = {op["path"].split("/")[2] for op in ops}
+    new_spec = apply_ops(pod, ops)["spec"]
+    return {key: new_spec[key] for key in sorted(touched)}
+
+
+def validate_kernelcache(obj: dict[str, Any], operation: str = "CREATE") -> None:
+    """Refuse a KernelCache the CRD schema admits but the spec rules do not.
+
+    ``parse_kernelcache`` holds the cross-field rules (exactly one storage source, a signing
+    secret when signing is on, unique GPU classes and warmers, fields per warmer type); its
+    one-line message names the field. Deletions and objects being deleted pass: a finalizer
+    must always be removable, even from an object admitted before this webhook existed.
+    """
+    meta = obj.get("metadata") or {}
+    if operation == "DELETE" or meta.get("deletionTimestamp"):
+        return
+    source = f"KernelCache {meta.get('namespace') or 'default'}/{meta.get('name') or '?'}"
+    try:
+        parse_kernelcache(obj, source)
+    except SpecError as exc:
+        raise Denied(exc.message) from None

@@ -1,0 +1,597 @@
+"""Admission: the pod injection and the KernelCache validation, on real AdmissionReview JSON.
+
+Each request is an ``admission.k8s.io/v1`` AdmissionReview as the API server sends it: a Pod
+made by a ReplicaSet (``generateName``, no name yet), already defaulted and given its
+service-account token volume by the built-in admission plugins that run before webhooks.
+The pure functions of ``kernelcache.operator.webhook`` are tested on it directly, and the
+operator's kopf registrations through kopf's own admission entry point
+(``serve_admission_request``, what kopf's webhook server calls), with a fake API client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+kopf = pytest.importorskip("kopf", reason="needs kernelcache[operator]")
+jsonpatch = pytest.importorskip("jsonpatch", reason="comes with kopf")
+
+from kernelcache.operator.config import OperatorConfig  # noqa: E402
+from kernelcache.operator.kube import ApiError, kernelcache_path  # noqa: E402
+from kernelcache.operator.webhook import (  # noqa: E402
+    ANNOTATION_CONTAINERS,
+    ANNOTATION_FLASHINFER_AOT,
+    ANNOTATION_IMAGE_POLICY,
+    Denied,
+    apply_ops,
+    lookup,
+    mutate_pod,
+    spec_patch,
+    validate_kernelcache,
+)
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kernelcache.yaml"
+IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
+CONFIG = OperatorConfig(init_image="ghcr.io/kernelcache/kernelcache-init:0.1.0")
+
+# A Deployment's pod at admission: defaulted, token volume added, no name, no node yet.
+POD_REVIEW = """
+{
+  "kind": "AdmissionReview",
+  "apiVersion": "admission.k8s.io/v1",
+  "request": {
+    "uid": "0df28fbd-5f5f-11e8-bc74-36e6bb280816",
+    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+    "resource": {"group": "", "version": "v1", "resource": "pods"},
+    "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+    "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+    "namespace": "team-a",
+    "operation": "CREATE",
+    "userInfo": {
+      "username": "system:serviceaccount:kube-system:replicaset-controller",
+      "uid": "3a4c2f1e-0b5d-4e8f-9a61-2d7c8b9e0f13",
+      "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system",
+                 "system:authenticated"]
+    },
+    "object": {
+      "kind": "Pod",
+      "apiVersion": "v1",
+      "metadata": {
+        "generateName": "llama-7d9f8c6b5-",
+        "namespace": "team-a",
+        "creationTimestamp": null,
+        "labels": {
+          "app": "llama",
+          "pod-template-hash": "7d9f8c6b5",
+          "kernelcache.dev/cache": "demo"
+        },
+        "ownerReferences": [{
+          "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llama-7d9f8c6b5",
+          "uid": "b2e1c3d4-5f6a-4b7c-8d9e-0f1a2b3c4d5e",
+          "controller": true, "blockOwnerDeletion": true
+        }],
+        "managedFields": [{
+          "manager": "kube-controller-manager", "operation": "Update", "apiVersion": "v1",
+          "time": "2025-05-01T12:00:00Z", "fieldsType": "FieldsV1",
+          "fieldsV1": {"f:metadata": {"f:generateName": {}}}
+        }]
+      },
+      "spec": {
+        "volumes": [{
+          "name": "kube-api-access-x2b9q",
+          "projected": {
+            "sources": [
+              {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+              {"configMap": {"name": "kube-root-ca.crt",
+                             "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+              {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
+                "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}
+            ],
+            "defaultMode": 420
+          }
+        }],
+        "containers": [{
+          "name": "vllm",
+          "image": "ghcr.io/kernelcache/examples:0.1.0",
+          "args": ["--model", "example/elementwise-and-tiled", "--port", "8000"],
+          "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+          "env": [{"name": "HF_HOME", "value": "/models"}],
+          "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}},
+          "volumeMounts": [{
+            "name": "kube-api-access-x2b9q", "readOnly": true,
+            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"
+          }],
+          "terminationMessagePath": "/dev/termination-log",
+          "terminationMessagePolicy": "File",
+          "imagePullPolicy": "IfNotPresent"
+        }],
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+        "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default",
+        "serviceAccount": "default",
+        "securityContext": {},
+        "schedulerName": "default-scheduler",
+        "tolerations": [
+          {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+           "effect": "NoExecute", "tolerationSeconds": 300},
+          {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+           "effect": "NoExecute", "tolerationSeconds": 300}
+        ],
+        "priority": 0,
+        "enableServiceLinks": true,
+        "preemptionPolicy": "PreemptLowerPriority"
+      },
+      "status": {}
+    },
+    "oldObject": null,
+    "dryRun": false,
+    "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"}
+  }
+}
+"""
+
+
+def pod_review(**changes: Any) -> dict[str, Any]:
+    """The review above; ``annotations`` / ``image`` / ``labels`` change its pod."""
+    review = json.loads(POD_REVIEW)
+    pod = review["request"]["object"]
+    if "annotations" in changes:
+        pod["metadata"]["annotations"] = changes["annotations"]
+    if "image" in changes:
+        pod["spec"]["containers"][0]["image"] = changes["image"]
+    if "labels" in changes:
+        pod["metadata"]["labels"] = changes["labels"]
+    return review
+
+
+def the_pod(**changes: Any) -> dict[str, Any]:
+    pod: dict[str, Any] = pod_review(**changes)["request"]["object"]
+    return pod
+
+
+def kernelcache(
+    policy: str = "strict", annotations: dict[str, str] | None = None, **spec: Any
+) -> dict[str, Any]:
+    """The example KernelCache in the pod's namespace, as the API server returns it."""
+    kc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    kc["metadata"].update(
+        namespace="team-a",
+        uid="6f1d2c3b-4a5e-4f60-8b7c-9d0e1f2a3b4c",
+        resourceVersion="4711",
+        generation=1,
+        annotations=annotations or {},
+    )
+    kc["spec"]["verification"]["policy"] = policy
+    kc["spec"].update(spec)
+    kc["status"] = {"phase": "Ready", "readyArches": "2/2"}
+    return kc
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def mutated(pod: dict[str, Any], kc: dict[str, Any] | None) -> dict[str, Any]:
+    ops = mutate_pod(pod, kc, CONFIG)
+    result: dict[str, Any] = jsonpatch.apply_patch(pod, ops)
+    return result
+
+
+# -- the pure functions ------------------------------------------------------------------------
+
+
+def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
+    pod = the_pod()
+    ops = mutate_pod(pod, kernelcache(), CONFIG)
+    assert all(op["op"] == "add" for op in ops)
+    assert [op["path"] for op in ops] == [
+        "/spec/initContainers",  # the pod had none: the list is created
+        "/spec/volumes/-",
+        "/spec/volumes/-",
+        "/spec/containers/0/env/-",
+        "/spec/containers/0/env/-",
+        "/spec/containers/0/env/-",
+        "/spec/containers/0/volumeMounts/-",
+    ]
+    new = jsonpatch.apply_patch(pod, ops)
+    assert apply_ops(pod, ops) == new  # the applier kopf's merge patch is built with agrees
+
+    # Everything else is untouched: remove what was added and the original remains.
+    stripped = copy.deepcopy(new)
+    del stripped["spec"]["initContainers"]
+    stripped["spec"]["volumes"] = stripped["spec"]["volumes"][:1]
+    serving = stripped["spec"]["containers"][0]
+    serving["env"] = serving["env"][:1]
+    serving["volumeMounts"] = serving["volumeMounts"][:1]
+    assert stripped == pod
+
+    (init,) = new["spec"]["initContainers"]
+    assert init["name"] == "kernelcache"
+    assert init["image"] == CONFIG.init_image
+    assert init["command"] == ["kernelcache", "verify"]
+    assert init["args"] == [
+        "--store", CONFIG.store_mount_path,
+        "--namespace", "team-a", "--name", "demo",
+        "--expect-image", IMAGE,
+        "--policy", "strict",
+        "--materialize", "/kernelcache",
+        "--termination-log", "/dev/termination-log",
+    ]  # fmt: skip
+    assert init["env"] == [
+        {"name": "KERNELCACHE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    ]
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    security = init["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] >= 1
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert init["volumeMounts"] == [
+        {"name": "kernelcache-store", "mountPath": CONFIG.store_mount_path, "readOnly": True},
+        {"name": "kernelcache", "mountPath": "/kernelcache"},
+    ]
+
+    volumes = {v["name"]: v for v in new["spec"]["volumes"]}
+    assert volumes["kernelcache-store"]["persistentVolumeClaim"] == {
+        "claimName": "kernelcache-demo",  # the claim the operator creates for spec.storage.pvc
+        "readOnly": True,
+    }
+    assert volumes["kernelcache"] == {"name": "kernelcache", "emptyDir": {}}
+
+    container = new["spec"]["containers"][0]
+    assert container["volumeMounts"][-1] == {
+        "name": "kernelcache",
+        "mountPath": "/kernelcache",
+        "readOnly": True,
+    }
+    assert all(m["name"] != "kernelcache-store" for m in container["volumeMounts"])
+    assert env_of(container) == {
+        "HF_HOME": "/models",
+        "KERNELCACHE_RUNTIME": "1",
+        "KERNELCACHE_ENV_FILE": "/kernelcache/kernelcache.env",
+        "KERNELCACHE_STRICT": "1",
+    }
+
+
+def test_patched_pod_is_well_formed() -> None:
+    """Every mount names a volume, names are unique, no serving container can write the cache."""
+    new = mutated(the_pod(), kernelcache())
+    spec = new["spec"]
+    volume_names = [v["name"] for v in spec["volumes"]]
+    assert len(volume_names) == len(set(volume_names))
+    every = spec["initContainers"] + spec["containers"]
+    assert len({c["name"] for c in every}) == len(every)
+    for container in every:
+        names = [e["name"] for e in container.get("env", [])]
+        assert len(names) == len(set(names))
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volume_names
+    for container in spec["containers"]:
+        for mount in container["volumeMounts"]:
+            if mount["name"].startswith("kernelcache"):
+                assert mount["readOnly"] is True
+
+
+def test_readmission_of_a_patched_pod_gets_an_empty_patch() -> None:
+    new = mutated(the_pod(), kernelcache())
+    assert mutate_pod(new, kernelcache(), CONFIG) == []
+
+    def get(_: str) -> dict[str, Any]:
+        raise AssertionError("a re-admission reads nothing")
+
+    assert lookup(new, get) is None
+
+
+def test_no_label_and_non_create_get_an_empty_patch() -> None:
+    assert mutate_pod(the_pod(labels={"app": "llama"}), None, CONFIG) == []
+    assert mutate_pod(the_pod(), kernelcache(), CONFIG, operation="UPDATE") == []
+
+
+def test_missing_kernelcache_is_denied_naming_it() -> None:
+    def get(path: str) -> dict[str, Any]:
+        assert path == kernelcache_path("team-a", "demo")
+        raise ApiError(404, "NotFound", 'kernelcaches.kernelcache.dev "demo" not found')
+
+    pod = the_pod()
+    assert lookup(pod, get) is None
+    with pytest.raises(Denied, match=r"KernelCache team-a/demo \(label kernelcache.dev/cache\)"):
+        mutate_pod(pod, None, CONFIG)
+
+
+def test_unreadable_kernelcache_is_denied() -> None:
+    def get(_: str) -> dict[str, Any]:
+        raise ApiError(403, "Forbidden", "cannot get resource")
+
+    with pytest.raises(Denied, match="cannot read KernelCache team-a/demo: 403 Forbidden"):
+        lookup(the_pod(), get)
+
+
+def test_image_mismatch_is_denied_by_default() -> None:
+    pod = the_pod(image="ghcr.io/kernelcache/examples:0.2.0")
+    with pytest.raises(Denied) as denied:
+        mutate_pod(pod, kernelcache(), CONFIG)
+    message = str(denied.value)
+    assert "\n" not in message
+    assert "'vllm'" in message and "examples:0.2.0" in message and IMAGE in message
+    assert "spec.engine.image" in message
+
+
+def test_image_mismatch_is_admitted_with_a_warning_under_warn() -> None:
+    pod = the_pod(
+        image="ghcr.io/kernelcache/examples:0.2.0",
+        annotations={ANNOTATION_IMAGE_POLICY: "warn"},
+    )
+    warnings: list[str] = []
+    ops = mutate_pod(pod, kernelcache(), CONFIG, warnings=warnings)
+    assert ops
+    (warning,) = warnings
+    assert "examples:0.2.0" in warning and "warn" in warning
+
+
+def test_bad_image_policy_is_denied() -> None:
+    pod = the_pod(annotations={ANNOTATION_IMAGE_POLICY: "allow"})
+    with pytest.raises(Denied, match=r"kernelcache\.dev/image-policy='allow'"):
+        mutate_pod(pod, kernelcache(), CONFIG)
+
+
+def test_pinned_digest_accepts_the_same_digest_from_a_mirror() -> None:
+    digest = "sha256:" + "ab" * 32
+    kc = kernelcache(engine={"image": IMAGE, "imageDigest": digest})
+    new = mutated(the_pod(image=f"mirror.local/examples@{digest}"), kc)
+    assert f"{IMAGE}@{digest}" in new["spec"]["initContainers"][0]["args"]
+
+
+def test_sidecars_are_left_alone_when_serving_containers_are_named() -> None:
+    pod = the_pod(annotations={ANNOTATION_CONTAINERS: "vllm"})
+    pod["spec"]["containers"].append({"name": "proxy", "image": "envoyproxy/envoy:v1.31"})
+    new = mutated(pod, kernelcache())
+    assert "env" not in new["spec"]["containers"][1]
+    assert "KERNELCACHE_RUNTIME" in env_of(new["spec"]["containers"][0])
+    with pytest.raises(Denied, match="envoy"):
+        mutate_pod(the_pod() | {"spec": pod["spec"]}, kernelcache(), CONFIG)
+
+
+def test_strict_and_permissive_env() -> None:
+    strict = mutated(the_pod(), kernelcache("strict"))
+    permissive = mutated(the_pod(), kernelcache("permissive"))
+    assert env_of(strict["spec"]["containers"][0])["KERNELCACHE_STRICT"] == "1"
+    assert "KERNELCACHE_STRICT" not in env_of(permissive["spec"]["containers"][0])
+    assert "permissive" in permissive["spec"]["initContainers"][0]["args"]
+    assert env_of(permissive["spec"]["containers"][0])["KERNELCACHE_RUNTIME"] == "1"
+
+
+def test_flashinfer_disable_jit_only_with_the_aot_signal() -> None:
+    aot = {ANNOTATION_FLASHINFER_AOT: "true"}
+    with_aot = env_of(mutated(the_pod(), kernelcache(annotations=aot))["spec"]["containers"][0])
+    assert with_aot["FLASHINFER_DISABLE_JIT"] == "1"
+    without = env_of(mutated(the_pod(), kernelcache())["spec"]["containers"][0])
+    assert "FLASHINFER_DISABLE_JIT" not in without
+    other = {ANNOTATION_FLASHINFER_AOT: "false"}
+    assert "FLASHINFER_DISABLE_JIT" not in env_of(
+        mutated(the_pod(), kernelcache(annotations=other))["spec"]["containers"][0]
+    )
+    # Permissive never takes serving down: JIT stays available even with AOT modules.
+    permissive = mutated(the_pod(), kernelcache("permissive", annotations=aot))
+    assert "FLASHINFER_DISABLE_JIT" not in env_of(permissive["spec"]["containers"][0])
+
+
+def test_a_variable_the_pod_sets_is_kept() -> None:
+    pod = the_pod()
+    pod["spec"]["containers"][0]["env"].append({"name": "KERNELCACHE_STRICT", "value": "0"})
+    container = mutated(pod, kernelcache())["spec"]["containers"][0]
+    assert [e for e in container["env"] if e["name"] == "KERNELCACHE_STRICT"] == [
+        {"name": "KERNELCACHE_STRICT", "value": "0"}
+    ]
+
+
+def test_signing_projects_only_the_public_key() -> None:
+    kc = kernelcache()
+    kc["spec"]["verification"]["signing"] = {"enabled": True, "secretName": "demo-signing"}
+    new = mutated(the_pod(), kc)
+    init = new["spec"]["initContainers"][0]
+    assert init["args"][-3:] == [
+        "--public-key",
+        "/etc/kernelcache/signing/kernelcache.pub",
+        "--require-signature",
+    ]
+    key = next(v for v in new["spec"]["volumes"] if v["name"] == "kernelcache-key")
+    assert key["secret"] == {
+        "secretName": "demo-signing",
+        "items": [{"key": "kernelcache.pub", "path": "kernelcache.pub"}],
+    }
+    assert all(m["name"] != "kernelcache-key" for m in new["spec"]["containers"][0]["volumeMounts"])
+
+
+def test_a_taken_volume_name_is_denied() -> None:
+    pod = the_pod()
+    pod["spec"]["volumes"].append({"name": "kernelcache", "emptyDir": {}})
+    with pytest.raises(Denied, match="volume 'kernelcache' exists"):
+        mutate_pod(pod, kernelcache(), CONFIG)
+
+
+def test_spec_patch_is_the_same_change_as_a_merge_patch() -> None:
+    pod = the_pod()
+    ops = mutate_pod(pod, kernelcache(), CONFIG)
+    merged = {**pod, "spec": {**pod["spec"], **spec_patch(pod, ops)}}
+    assert merged == jsonpatch.apply_patch(pod, ops)
+    assert sorted(spec_patch(pod, ops)) == ["containers", "initContainers", "volumes"]
+
+
+def test_validation_accepts_the_example() -> None:
+    validate_kernelcache(kernelcache())
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (
+            {"storage": {"existingClaim": "models", "pvc": {"size": "10Gi"}}},
+            "spec.storage: set exactly one of existingClaim or pvc",
+        ),
+        (
+            {"verification": {"signing": {"enabled": True}}},
+            "spec.verification.signing.secretName: required when enabled is true",
+        ),
+        (
+            {"warmers": [{"type": "command", "entryPoints": ["m:f"], "command": ["true"]}]},
+            "spec.warmers[0].entryPoints: not allowed for a command warmer",
+        ),
+    ],
+)
+def test_validation_rejects_cross_field_errors_naming_the_field(
+    change: dict[str, Any], field: str
+) -> None:
+    kc = kernelcache()
+    kc["spec"].update(change)
+    with pytest.raises(Denied) as denied:
+        validate_kernelcache(kc)
+    assert str(denied.value) == f"KernelCache team-a/demo: {field}"
+
+
+def test_validation_lets_an_object_being_deleted_through() -> None:
+    kc = kernelcache(storage={"existingClaim": "models", "pvc": {"size": "10Gi"}})
+    kc["metadata"]["deletionTimestamp"] = "2025-05-01T12:00:00Z"
+    validate_kernelcache(kc, "UPDATE")
+    validate_kernelcache(kc, "DELETE")
+
+
+# -- through kopf's admission machinery and the operator's registrations -----------------------
+
+
+class FakeKube:
+    """Answers GETs of KernelCaches from a dict; anything else is a 404."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
+        self.objects = objects
+        self.gets: list[str] = []
+
+    def get(self, path: str) -> dict[str, Any]:
+        self.gets.append(path)
+        if path not in self.objects:
+            raise ApiError(404, "NotFound", f"{path} not found")
+        return copy.deepcopy(self.objects[path])
+
+
+def admit(review: dict[str, Any], kube: FakeKube, reason: str) -> dict[str, Any]:
+    """Run one AdmissionReview through kopf as its webhook server would; the response."""
+    from kopf._cogs.structs import references
+    from kopf._core.engines import admission, indexing
+    from kopf._core.intents import causes
+    from kopf._core.reactor import inventory
+
+    import kernelcache.operator.main  # noqa: F401  (registers the handlers)
+
+    pods = references.Resource(
+        "", "v1", "pods", kind="Pod", singular="pod", namespaced=True, preferred=True
+    )
+    kcs = references.Resource(
+        "kernelcache.dev",
+        "v1alpha1",
+        "kernelcaches",
+        kind="KernelCache",
+        singular="kernelcache",
+        shortcuts=frozenset({"kc"}),
+        namespaced=True,
+        preferred=True,
+    )
+    insights = references.Insights()
+    insights.webhook_resources.update({pods, kcs})
+    memo = kopf.Memo()
+    memo.kube = kube
+
+    async def serve() -> dict[str, Any]:
+        response = await admission.serve_admission_request(
+            review,
+            reason=causes.WebhookType(reason),
+            settings=kopf.OperatorSettings(),
+            memories=inventory.ResourceMemories(),
+            memobase=memo,
+            registry=kopf.get_default_registry(),
+            insights=insights,
+            indices=indexing.OperatorIndexers().indices,
+        )
+        return dict(response)
+
+    return asyncio.run(serve())
+
+
+def kc_review(kc: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
+    review = json.loads(POD_REVIEW)
+    request = review["request"]
+    request.update(
+        kind={"group": "kernelcache.dev", "version": "v1alpha1", "kind": "KernelCache"},
+        resource={"group": "kernelcache.dev", "version": "v1alpha1", "resource": "kernelcaches"},
+        userInfo={"username": "alice", "groups": ["system:authenticated"]},
+        operation=operation,
+        name=kc["metadata"]["name"],
+        object=kc,
+    )
+    request["requestKind"], request["requestResource"] = request["kind"], request["resource"]
+    return review
+
+
+def test_kopf_mutating_webhook_patches_the_pod() -> None:
+    kube = FakeKube({kernelcache_path("team-a", "demo"): kernelcache()})
+    review = pod_review()
+    response = admit(review, kube, "mutating")
+    assert response["apiVersion"] == "admission.k8s.io/v1"
+    answer = response["response"]
+    assert answer["uid"] == review["request"]["uid"]
+    assert answer["allowed"] is True
+    assert answer["patchType"] == "JSONPatch"
+    ops = json.loads(base64.b64decode(answer["patch"]))
+    pod = review["request"]["object"]
+    # kopf re-derives the ops from our merge patch; applied, they make the same pod.
+    assert jsonpatch.apply_patch(pod, ops) == mutated(pod, kernelcache())
+    assert kube.gets == [kernelcache_path("team-a", "demo")]
+
+    readmitted = pod_review()
+    readmitted["request"]["object"] = jsonpatch.apply_patch(pod, ops)
+    again = admit(readmitted, kube, "mutating")["response"]
+    assert again["allowed"] is True and "patch" not in again
+    assert len(kube.gets) == 1  # nothing read on re-admission
+
+
+def test_kopf_mutating_webhook_denies_a_missing_kernelcache() -> None:
+    answer = admit(pod_review(), FakeKube({}), "mutating")["response"]
+    assert answer["allowed"] is False
+    assert answer["status"]["code"] == 403
+    assert "KernelCache team-a/demo" in answer["status"]["message"]
+    assert "does not exist" in answer["status"]["message"]
+
+
+def test_kopf_mutating_webhook_image_policies() -> None:
+    kube = FakeKube({kernelcache_path("team-a", "demo"): kernelcache()})
+    other = "ghcr.io/kernelcache/examples:0.2.0"
+    denied = admit(pod_review(image=other), kube, "mutating")["response"]
+    assert denied["allowed"] is False and other in denied["status"]["message"]
+    review = pod_review(image=other, annotations={ANNOTATION_IMAGE_POLICY: "warn"})
+    warned = admit(review, kube, "mutating")["response"]
+    assert warned["allowed"] is True and "patch" in warned
+    assert len(warned["warnings"]) == 1 and other in warned["warnings"][0]
+
+
+def test_kopf_mutating_webhook_ignores_unlabelled_pods() -> None:
+    kube = FakeKube({})
+    answer = admit(pod_review(labels={"app": "llama"}), kube, "mutating")["response"]
+    assert answer["allowed"] is True and "patch" not in answer
+    assert kube.gets == []
+
+
+def test_kopf_validating_webhook() -> None:
+    good = admit(kc_review(kernelcache()), FakeKube({}), "validating")["response"]
+    assert good["allowed"] is True and "patch" not in good
+    bad = kernelcache(storage={"existingClaim": "models", "pvc": {"size": "10Gi"}})
+    answer = admit(kc_review(bad, "UPDATE"), FakeKube({}), "validating")["response"]
+    assert answer["allowed"] is False
+    assert answer["status"] == {
+        "code": 422,
+        "message": "KernelCache team-a/demo: spec.storage: set exactly one of existingClaim or pvc",
+    }
