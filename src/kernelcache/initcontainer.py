@@ -421,14 +421,18 @@ class Outcome:
 
     @property
     def summary(self) -> str:
-        line = (
-            f"{self.key}: generation {self.manifest.generation} verified: "
-            f"{len(self.manifest.files)} files, {self.bytes_checked / 1e6:.1f} MB in "
-            f"{self.verify_seconds:.2f} s"
+        head = f"{self.key}: generation {self.manifest.generation} verified: "
+        if self.materialized is None:
+            return (
+                f"{head}{len(self.manifest.files)} files, {self.bytes_checked / 1e6:.1f} MB in "
+                f"{self.verify_seconds:.2f} s"
+            )
+        # The digests were checked on the bytes as they were copied.
+        seconds = self.verify_seconds + self.materialize_seconds
+        return (
+            f"{head}{len(self.manifest.files)} files, {self.manifest.total_bytes / 1e6:.1f} MB "
+            f"checked and materialized at {self.materialized} in {seconds:.2f} s"
         )
-        if self.materialized is not None:
-            line += f"; materialized at {self.materialized} in {self.materialize_seconds:.2f} s"
-        return line
 
 
 def run(
