@@ -48,8 +48,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
 
+# The CRD and the alert rules have one source each; the chart carries copies (tests fail on drift).
 crds: $(VENV)/.installed
 	$(PY) -m kernelcache.spec > crds/kernelcache.dev_kernelcaches.yaml
+	cp crds/kernelcache.dev_kernelcaches.yaml charts/kernelcache/files/
+	cp prometheus/kernelcache-rules.yaml charts/kernelcache/files/
 
 bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py

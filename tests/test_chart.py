@@ -1,0 +1,398 @@
+"""The Helm chart (``charts/kernelcache``), rendered by the real helm.
+
+``helm lint --strict``, then ``helm template`` over named value sets with assertions on what
+is and is not rendered; every built-in manifest checked by ``kubernetes-validate --strict``
+against Kubernetes 1.35; the CRD, peering CRDs and alert rules compared with their one
+source; the example KernelCaches checked against the CRD's schema; the RBAC compared with
+the table of what the operator's code does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kernelcache.operator.config import OperatorConfig
+from kernelcache.operator.manifests import peering_crds
+from kernelcache.spec import crd_manifest, crd_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "kernelcache"
+HELM = REPO / ".tools" / "bin" / "helm"
+KUBERNETES_VERSION = "1.35.0"
+NAMESPACE = "kernelcache-system"
+
+pytestmark = pytest.mark.skipif(
+    not HELM.exists(), reason="helm is not installed: run scripts/install-kube-tools.sh"
+)
+
+# Value sets rendered by the tests, by name.
+VALUES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "cert-manager": {"certManager": {"enabled": True}},
+    "prometheus-operator": {
+        "prometheus": {"servicemonitor": {"enabled": True}, "prometheusrule": {"enabled": True}}
+    },
+    "prometheus-off": {"prometheus": {"enabled": False}},
+    "crds-off": {"crds": {"enabled": False}},
+    "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
+}
+
+CUSTOM_KINDS = {
+    # kind: the group its apiVersion must be in (no schema for these in kubernetes-validate)
+    "Certificate": "cert-manager.io",
+    "Issuer": "cert-manager.io",
+    "ServiceMonitor": "monitoring.coreos.com",
+    "PrometheusRule": "monitoring.coreos.com",
+}
+
+# Every (apiGroup, resource) the operator may touch, the verbs, and where the code does it.
+# The rendered RBAC must grant nothing else, and must grant all of it (in the mode that needs
+# it: "all" in both, "cluster" when watching every namespace, "namespaced" otherwise).
+USED: list[tuple[str, str, set[str], str]] = [
+    # get: handle_reconcile_kernelcache (re-read on conflict), handle_update_job (the Job's
+    # owner), webhook.lookup (the pod's KernelCache); list/watch: kopf's watch behind
+    # main.reconcile/delete; patch: kopf's finalizer and progress annotations.
+    ("kernelcache.dev", "kernelcaches", {"get", "list", "watch", "patch"}, "all"),
+    # patch: handle_reconcile_kernelcache writes observed state to .../status.
+    ("kernelcache.dev", "kernelcaches/status", {"patch"}, "all"),
+    # list/watch: kopf index and event handler on compile Jobs (main.compile_jobs,
+    # job_changed); list/get/delete/create: handle_delete_kernelcache (stop compiles, cleanup
+    # Job); create/delete: handle_reconcile_kernelcache (new and stale compile Jobs).
+    ("batch", "jobs", {"get", "list", "watch", "create", "delete"}, "all"),
+    # list: the compile pods' results (reconcile) and running compiles (delete).
+    ("", "pods", {"list"}, "all"),
+    # create: reconcile makes the cache claim; delete: the finalizer drops an owned claim.
+    ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
+    # create: reconcile writes the spec ConfigMap the compile Jobs read.
+    ("", "configmaps", {"create"}, "all"),
+    # create: kopf.event in main._post and main.delete (and kopf's own handler events).
+    ("", "events", {"create"}, "all"),
+    # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).
+    ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}, "all"),
+    # list/watch: kopf's namespace observation when given namespaces (falls back if denied).
+    ("", "namespaces", {"list", "watch"}, "namespaced"),
+    # create: handle_start_operator.ensure_peering; list/watch/patch: kopf's peering.
+    ("kopf.dev", "clusterkopfpeerings", {"list", "watch", "patch", "create"}, "cluster"),
+    ("kopf.dev", "kopfpeerings", {"list", "watch", "patch", "create"}, "namespaced"),
+]
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(HELM), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _values_args(values: dict[str, Any], tmp: Path) -> list[str]:
+    path = tmp / "values.yaml"
+    path.write_text(yaml.safe_dump(values), encoding="utf-8")
+    return ["-f", str(path)]
+
+
+@functools.cache
+def _render_text(name: str, extra: str = "{}") -> subprocess.CompletedProcess[str]:
+    """``helm template`` of value set ``name`` with the JSON ``extra`` merged at the top level;
+    cached, since most tests read the same few renders."""
+    values = {**VALUES[name], **json.loads(extra)}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _values_args(values, Path(tmp))
+        return _helm("template", "kc", str(CHART), "--namespace", NAMESPACE, *args)
+
+
+def render(name: str, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The manifests of value set ``name`` (plus ``extra`` at the top level); it must render."""
+    done = _render_text(name, json.dumps(extra or {}))
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(doc["kind"] for doc in docs)
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+def env_of(docs: list[dict[str, Any]]) -> dict[str, str]:
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+# --- lint and rendering ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_helm_lint_strict(name: str, tmp_path: Path) -> None:
+    done = _helm("lint", "--strict", str(CHART), *_values_args(VALUES[name], tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_defaults_render_operator_webhooks_crds_and_a_helm_certificate() -> None:
+    docs = render("defaults")
+    assert kinds(docs) == sorted(
+        ["ServiceAccount", "Secret", "Deployment", "Service", "Service"]
+        + ["CustomResourceDefinition"] * 3
+        + ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding"]
+        + ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"]
+    )
+    secret = one(docs, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    for kind, path in [
+        ("MutatingWebhookConfiguration", "/inject"),
+        ("ValidatingWebhookConfiguration", "/validate"),
+    ]:
+        config = one(docs, kind)
+        assert "annotations" not in config["metadata"]
+        (hook,) = config["webhooks"]
+        assert hook["clientConfig"]["service"]["path"] == path
+        assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    inject = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert inject["objectSelector"] == {
+        "matchExpressions": [{"key": "kernelcache.dev/cache", "operator": "Exists"}]
+    }
+    assert inject["rules"][0]["operations"] == ["CREATE"]
+    assert inject["rules"][0]["resources"] == ["pods"]
+    validate = one(docs, "ValidatingWebhookConfiguration")["webhooks"][0]
+    assert validate["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    assert validate["rules"][0]["resources"] == ["kernelcaches"]
+    for crd in (d for d in docs if d["kind"] == "CustomResourceDefinition"):
+        assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+
+
+def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() -> None:
+    docs = render("defaults")
+    env = env_of(docs)
+    config = OperatorConfig.from_env(env)  # raises on an unknown or bad variable
+    assert config.webhook_port == 9443 and config.metrics_port == 9090
+    assert config.webhook_tls_dir == "/etc/kernelcache/webhook-tls"
+    assert config.peering == "kernelcache" and config.namespaces == ()
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.liveness == f"http://0.0.0.0:{ports['healthz']}/healthz"
+    assert ports["webhook"] == config.webhook_port
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["webhook-tls"] == config.webhook_tls_dir
+
+
+def test_cert_manager_issues_the_certificate_and_injects_the_ca() -> None:
+    docs = render("cert-manager")
+    assert "Secret" not in kinds(docs)
+    certificate = one(docs, "Certificate")
+    assert one(docs, "Issuer")["spec"] == {"selfSigned": {}}
+    service = one(docs, "Service", "kc-kernelcache-webhook")["metadata"]["name"]
+    assert f"{service}.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    source = f"{NAMESPACE}/{certificate['metadata']['name']}"
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        config = one(docs, kind)
+        assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": source}
+        assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"secretName": certificate["spec"]["secretName"]} in [v.get("secret") for v in volumes]
+
+
+def test_prometheus_operator_on_renders_servicemonitor_and_rules() -> None:
+    docs = render("prometheus-operator")
+    monitor = one(docs, "ServiceMonitor")
+    metrics = one(docs, "Service", "kc-kernelcache-metrics")
+    assert monitor["spec"]["endpoints"][0]["port"] == metrics["spec"]["ports"][0]["name"]
+    assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(
+        metrics["metadata"]["labels"].items()
+    )
+    one(docs, "PrometheusRule")
+
+
+@pytest.mark.parametrize("name", ["defaults", "prometheus-off"])
+def test_no_servicemonitor_or_prometheusrule_unless_asked(name: str) -> None:
+    docs = render(name)
+    assert "ServiceMonitor" not in kinds(docs) and "PrometheusRule" not in kinds(docs)
+    if name == "prometheus-off":
+        assert env_of(docs)["KERNELCACHE_OPERATOR_METRICS_PORT"] == "0"
+        assert [d for d in docs if d["kind"] == "Service"] == [
+            one(docs, "Service", "kc-kernelcache-webhook")
+        ]
+
+
+def test_crds_off_renders_no_crd_and_keep_off_drops_the_annotation() -> None:
+    assert "CustomResourceDefinition" not in kinds(render("crds-off"))
+    for crd in (
+        d
+        for d in render("defaults", {"crds": {"keep": False}})
+        if d["kind"] == "CustomResourceDefinition"
+    ):
+        assert "helm.sh/resource-policy" not in (crd["metadata"].get("annotations") or {})
+
+
+def test_namespaced_binds_only_in_the_watched_namespaces() -> None:
+    docs = render("namespaced")
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"] == [
+        "kc-kernelcache-cluster"
+    ]
+    assert OperatorConfig.from_env(env_of(docs)).namespaces == ("team-a", "team-b")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"prometheus": {"enabled": False, "servicemonitor": {"enabled": True}}},
+            "prometheus.servicemonitor.enabled needs prometheus.enabled",
+        ),
+        (
+            {"prometheus": {"enabled": False, "prometheusrule": {"enabled": True}}},
+            "prometheus.prometheusrule.enabled needs prometheus.enabled",
+        ),
+        ({"replicaCount": 2, "operator": {"peering": ""}}, "needs operator.peering"),
+        ({"webhook": {"port": 9090}}, "must differ"),
+        (
+            {"operator": {"extraEnv": {"KERNELCACHE_OPERATOR_WEBHOOK_PORT": "1"}}},
+            "set by a dedicated value",
+        ),
+        ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
+        ({"unknown": 1}, "additional properties 'unknown' not allowed"),
+        ({"webhook": {"failurePolicy": "Maybe"}}, "failurePolicy"),
+    ],
+)
+def test_contradictory_or_unknown_values_fail_the_render(
+    values: dict[str, Any], message: str
+) -> None:
+    done = _render_text("defaults", json.dumps(values))
+    assert done.returncode != 0
+    assert message in done.stderr
+
+
+# --- validity of what is rendered -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_rendered_manifests_are_valid_kubernetes(name: str) -> None:
+    """Built-in kinds: kubernetes-validate's strict schemas for 1.35 (unknown fields fail).
+    Custom resources have no schema there: only their group, name and spec shape are checked
+    here (PrometheusRule's groups get promtool below)."""
+    utils = pytest.importorskip(
+        "kubernetes_validate.utils",
+        reason="kubernetes-validate is not installed (add it to the dev extra)",
+    )
+    for doc in render(name):
+        what = f"{doc['kind']} {doc['metadata'].get('name')}"
+        if doc["kind"] in CUSTOM_KINDS:
+            assert doc["apiVersion"].split("/")[0] == CUSTOM_KINDS[doc["kind"]], what
+            assert doc["metadata"]["name"] and isinstance(doc["spec"], dict), what
+            continue
+        try:
+            utils.validate(doc, KUBERNETES_VERSION, strict=True)
+        except utils.ValidationError as exc:
+            pytest.fail(f"{what}: {exc.message} at {list(exc.path)}")
+
+
+def _metadata_free(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = json.loads(json.dumps(obj))
+    obj["metadata"] = {"name": obj["metadata"]["name"]}
+    return obj
+
+
+def test_chart_crd_is_the_generated_crd() -> None:
+    """files/ holds a copy of crds/ (helm reads no file outside the chart); both must be
+    exactly what kernelcache.spec generates, and the rendered CRD its body."""
+    copy = CHART / "files" / "kernelcache.dev_kernelcaches.yaml"
+    assert copy.read_text(encoding="utf-8") == crd_yaml(), (
+        f"regenerate with: python -m kernelcache.spec > {copy.relative_to(REPO)}"
+    )
+    rendered = one(render("defaults"), "CustomResourceDefinition", "kernelcaches.kernelcache.dev")
+    assert _metadata_free(rendered) == _metadata_free(crd_manifest())
+
+
+def test_chart_peering_crds_are_the_operators() -> None:
+    rendered = [
+        _metadata_free(d)
+        for d in render("defaults")
+        if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "kopf.dev"
+    ]
+    assert rendered == [_metadata_free(crd) for crd in peering_crds()]
+
+
+def test_chart_rules_are_the_tested_rules(tmp_path: Path) -> None:
+    source = REPO / "prometheus" / "kernelcache-rules.yaml"
+    copy = CHART / "files" / "kernelcache-rules.yaml"
+    assert copy.read_bytes() == source.read_bytes(), f"copy {source.name} into {copy.parent}"
+    groups = one(render("prometheus-operator"), "PrometheusRule")["spec"]["groups"]
+    assert groups == yaml.safe_load(source.read_text(encoding="utf-8"))["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not on PATH")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": groups}), encoding="utf-8")
+    done = subprocess.run(
+        [promtool, "check", "rules", str(rules)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_example_kernelcaches_match_the_crd_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = one(render("defaults"), "CustomResourceDefinition", "kernelcaches.kernelcache.dev")
+    schemas = {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"]}
+    checked = 0
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if not doc or doc.get("kind") != "KernelCache":
+                continue
+            version = doc["apiVersion"].split("/")[1]
+            errors = list(jsonschema.Draft7Validator(schemas[version]).iter_errors(doc))
+            assert not errors, f"{path.name}: {errors[0].message} at {list(errors[0].path)}"
+            checked += 1
+    assert checked >= 2
+
+
+# --- RBAC -------------------------------------------------------------------------------------
+
+
+def _granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    granted = set()
+    for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            assert not set(rule) - {"apiGroups", "resources", "verbs"}, rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        granted.add((group, resource, verb))
+    return granted
+
+
+@pytest.mark.parametrize("name", ["defaults", "namespaced"])
+def test_rbac_grants_exactly_what_the_code_uses(name: str) -> None:
+    granted = _granted(render(name))
+    mode = "namespaced" if name == "namespaced" else "cluster"
+    wildcards = {g for g in granted if "*" in g}
+    assert not wildcards, f"wildcards: {sorted(wildcards)}"
+    allowed = {(group, resource, verb) for group, resource, verbs, _ in USED for verb in verbs}
+    needed = {
+        (group, resource, verb)
+        for group, resource, verbs, when in USED
+        if when in ("all", mode)
+        for verb in verbs
+    }
+    assert granted - allowed == set(), "granted but not used by the code"
+    assert needed - granted == set(), "used by the code but not granted"
