@@ -22,7 +22,12 @@ API-server behaviour that kopf, the operator and kubectl rely on:
   ``kind``; a fetch or list asked for as a ``meta.k8s.io/v1`` Table (kubectl's
   ``Accept: application/json;as=Table;...``) is rendered from the CRD's
   ``additionalPrinterColumns`` (simple ``.a.b`` JSONPaths only; built-in kinds get plain JSON,
-  which kubectl prints itself).
+  which kubectl prints itself);
+- what ``kubectl apply --server-side`` needs: a PATCH of ``application/apply-patch+yaml``
+  creates the object if it is missing and is otherwise merged into it as a JSON merge patch
+  (no field managers: no ``managedFields``, no apply conflicts, and a field dropped from the
+  applied configuration is not removed); the core group's discovery (``/api/v1``) names its
+  group version ``v1``, as kubectl needs to map built-in kinds (kmock says ``/v1``).
 
 It does not validate objects against schemas (kubectl needs ``--validate=false``: no OpenAPI
 document is served), stop serving a deleted CRD's resource, run controllers (no Job ever
@@ -49,6 +54,7 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
+import yaml
 from kmock import Payload, Request, action
 
 _WRITES = (action.CREATE, action.UPDATE, action.DELETE)
@@ -131,6 +137,8 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
         try:
+            if _is_apply(request):
+                self._as_apply(request)
             if request.resource is None or request.action not in _WRITES:
                 return await super()._handle(request)
             # Writes are serialised so the object a write is computed from is still the
@@ -147,6 +155,21 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         finally:
             if not self.keep_requests:
                 self._requests.remove(request)
+
+    def _as_apply(self, request: Request) -> None:
+        """Turn a server-side apply into the create or merge patch it amounts to, in place.
+
+        The applied object is merged into the live one as a JSON merge patch: no field
+        ownership (``managedFields``) is tracked, so there are no apply conflicts, and a field
+        dropped from the applied configuration stays on the live object.
+        """
+        data = request.data
+        if data is None:  # the body is YAML when not JSON (kubectl sends JSON)
+            data = yaml.safe_load(request.text)
+        key = (request.resource, request.namespace, request.name)
+        if request.subresource is None and (key not in self._objects or self._objects[key].deleted):
+            object.__setattr__(request, "action", action.CREATE)
+        object.__setattr__(request, "data", data)
 
     def _admit(self, request: Request) -> Any:
         """The body kmock should store for a write, completed as an API server would."""
@@ -261,6 +284,8 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         # kmock lists a subresource (kernelcaches/status) with its resource's short names;
         # the API server gives them none, and kubectl warns of an ambiguous short name.
         listing: Any = await super()._serve_version(request)
+        if listing["groupVersion"].startswith("/"):  # the core group: "v1", not "/v1"
+            listing["groupVersion"] = listing["groupVersion"][1:]
         for entry in listing["resources"]:
             if "/" in entry["name"]:
                 entry.update(shortNames=[], categories=[])
@@ -337,6 +362,14 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _is_apply(request: Request) -> bool:
+    """Whether the request is a server-side apply (a PATCH of ``application/apply-patch+yaml``)."""
+    content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return request.action == action.UPDATE and content_type.split(";")[0].strip() == (
+        "application/apply-patch+yaml"
+    )
 
 
 def _cell(obj: dict[str, Any], json_path: str, kind: str) -> Any:
