@@ -17,7 +17,14 @@ from tests.conftest import REPO
 PROMTOOL = shutil.which("promtool")
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 RULE_TESTS = REPO / "prometheus" / "kernelcache-rules.test.yaml"
-ALERTS = {"KernelCacheColdCompile", "KernelCacheCompileBudgetExceeded", "KernelCacheStampMismatch"}
+ALERTS = {
+    "KernelCacheColdCompile",
+    "KernelCacheCompileBudgetExceeded",
+    "KernelCacheStampMismatch",
+    "KernelCacheCompileJobFailed",
+    "KernelCacheNotReady",
+    "KernelCacheVerifyFailed",
+}
 
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
 
@@ -55,3 +62,12 @@ def test_every_alert_has_a_severity_a_runbook_and_both_tests():
         assert rule["annotations"]["runbook_url"] == (
             f"https://kernelcache.dev/docs/operations#{anchor}"
         )
+
+
+def test_every_runbook_link_has_its_section_in_the_operations_doc():
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    headings = (REPO / "docs" / "operations.md").read_text()
+    for rule in rules:
+        anchor = rule["annotations"]["runbook_url"].rsplit("#", 1)[1]
+        assert anchor == rule["alert"].lower()
+        assert f"### {rule['alert']}\n" in headings
