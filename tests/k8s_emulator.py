@@ -27,7 +27,12 @@ API-server behaviour that kopf, the operator and kubectl rely on:
   creates the object if it is missing and is otherwise merged into it as a JSON merge patch
   (no field managers: no ``managedFields``, no apply conflicts, and a field dropped from the
   applied configuration is not removed); the core group's discovery (``/api/v1``) names its
-  group version ``v1``, as kubectl needs to map built-in kinds (kmock says ``/v1``).
+  group version ``v1``, as kubectl needs to map built-in kinds (kmock says ``/v1``);
+- opt-in, a mutating admission webhook for Pods: with ``pod_webhook`` set to a URL (plain
+  HTTP, such as kopf's ``WebhookServer(insecure=True)``), every Pod created (POST) is first
+  sent there as an ``admission.k8s.io/v1`` AdmissionReview; a returned JSON patch is applied
+  to the Pod before it is stored, and a refusal fails the create with the webhook's code and
+  message, as the API server words it. Unset (the default), Pods are stored as sent.
 
 It does not validate objects against schemas (kubectl needs ``--validate=false``: no OpenAPI
 document is served), stop serving a deleted CRD's resource, run controllers (no Job ever
@@ -39,6 +44,7 @@ every namespace or namespaces named exactly, never a glob), so it is left alone.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import copy
 import json
@@ -49,6 +55,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
+import aiohttp
 import aiohttp.web
 import attrs
 import jsonpatch
@@ -114,6 +121,8 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     # additionalPrinterColumns of each declared custom resource, by "group/version/plural".
     _columns: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
+    # URL of a mutating admission webhook every Pod creation goes through; None: none.
+    pod_webhook: str | None = None
 
     def declare(self, crd: dict[str, Any]) -> None:
         """Serve a CustomResourceDefinition's resource (discovery only: schemas are not checked)."""
@@ -141,6 +150,11 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                 self._as_apply(request)
             if request.resource is None or request.action not in _WRITES:
                 return await super()._handle(request)
+            if self.pod_webhook and _is_pod_create(request):
+                try:
+                    object.__setattr__(request, "data", await self._pod_admission(request))
+                except kmock.KubernetesError as exc:
+                    return await self._render_error(exc)
             # Writes are serialised so the object a write is computed from is still the
             # latest when kmock stores it (kmock applies it later, under its own lock).
             async with self._writes:
@@ -155,6 +169,52 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         finally:
             if not self.keep_requests:
                 self._requests.remove(request)
+
+    async def _pod_admission(self, request: Request) -> Any:
+        """The Pod a create stores once ``pod_webhook`` admitted it (patched); raise if refused.
+
+        Called outside the write lock: the webhook may read from this API server meanwhile.
+        """
+        assert self.pod_webhook is not None
+        pod = copy.deepcopy(request.data)
+        if request.namespace:
+            pod.setdefault("metadata", {})["namespace"] = request.namespace
+        gvk = {"group": "", "version": "v1", "kind": "Pod"}
+        gvr = {"group": "", "version": "v1", "resource": "pods"}
+        review = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()),
+                "kind": gvk,
+                "resource": gvr,
+                "requestKind": gvk,
+                "requestResource": gvr,
+                "name": pod["metadata"].get("name", ""),
+                "namespace": request.namespace or "",
+                "operation": "CREATE",
+                "userInfo": {"username": "kubernetes-admin", "groups": ["system:masters"]},
+                "object": pod,
+                "oldObject": None,
+                "dryRun": False,
+                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+            },
+        }
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.pod_webhook, json=review) as reply,
+        ):
+            reply.raise_for_status()
+            answer = (await reply.json())["response"]
+        if not answer.get("allowed"):
+            status = answer.get("status") or {}
+            message = f'admission webhook "{self.pod_webhook}" denied the request: '
+            message += str(status.get("message") or "")
+            raise _conflict(int(status.get("code") or 403), "Forbidden", message)
+        if answer.get("patch"):
+            ops = json.loads(base64.b64decode(answer["patch"]))
+            pod = jsonpatch.apply_patch(pod, ops)
+        return pod
 
     def _as_apply(self, request: Request) -> None:
         """Turn a server-side apply into the create or merge patch it amounts to, in place.
@@ -362,6 +422,17 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _is_pod_create(request: Request) -> bool:
+    """Whether the request creates a Pod (not a subresource of one)."""
+    resource = request.resource
+    return (
+        request.action == action.CREATE
+        and request.subresource is None
+        and resource is not None
+        and (resource.group, resource.plural) == ("", "pods")
+    )
 
 
 def _is_apply(request: Request) -> bool:
