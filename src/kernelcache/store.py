@@ -582,7 +582,7 @@ def _parse_schema(data: bytes, source: str) -> Manifest:
 def _validation_message(exc: ValidationError, source: str) -> str:
     errors = exc.errors()
     first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(document)"
+    where = _one_line(".".join(str(part) for part in first["loc"])) or "(document)"
     message = f"{source}: field {where}: {_one_line(first['msg'])}"
     value = first.get("input")
     if isinstance(value, (str, int, float)) and first["type"] != "missing":
