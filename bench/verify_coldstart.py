@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -37,35 +36,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kernelcache.store import Store, verify
+from synthetic import publish_generation
 
 KEY = "bench/coldstart/sm_90a"
-
-
-def make_files(root: Path, size_mb: int, seed: int = 11) -> tuple[int, int]:
-    """~85% of the bytes in 2-24 MB modules, the rest in 4-256 KB kernels and metadata,
-    laid out as the toolchains lay them out (one subtree per toolchain)."""
-    rng = random.Random(seed)
-    total, count, budget = 0, 0, size_mb << 20
-    noise = rng.randbytes(1 << 20)
-    while total < budget:
-        if rng.random() < 0.08:
-            size = rng.randint(2 << 20, 24 << 20)
-            rel = rng.choice(
-                [f"flashinfer/aot/mod{count}/mod{count}.so", f"triton/{count:06x}/kernel.cubin"]
-            )
-        else:
-            size = rng.randint(4 << 10, 256 << 10)
-            rel = rng.choice(
-                [f"cute-dsl/k{count:05d}.o", f"cute-dsl/k{count:05d}.json", f"triton/t{count}.json"]
-            )
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        offset = rng.randrange(1 << 19)
-        path.write_bytes((noise * (size // len(noise) + 2))[offset : offset + size])
-        total += size
-        count += 1
-    return count, total
 
 
 def best_of(repeat: int, fn: Callable[[], object], reset: Callable[[], None]) -> float:
@@ -109,16 +82,7 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0))
     load_before = load()
     with tempfile.TemporaryDirectory(prefix="kc-coldstart-") as tmp:
-        src = Path(tmp) / "src"
-        count, total = make_files(src, args.size_mb)
-        store = Store(Path(tmp) / "store")
-        with store.writer(KEY) as writer:
-            staging = writer.staging()
-            shutil.rmtree(staging)
-            shutil.move(str(src), staging)
-            writer.publish(staging, {"digest": "blake3:" + "0" * 64, "factors": {}}, {})
-        gen = store.current(KEY)
-        assert gen is not None and verify(gen).ok  # also reads every file into the page cache
+        gen, count, total = publish_generation(Path(tmp), KEY, args.size_mb)
         files = gen / "files"
         targets = Path(tempfile.mkdtemp(prefix="kc-coldstart-dst-", dir=args.target_dir or tmp))
         dst = targets / "dst"
@@ -131,7 +95,7 @@ def main() -> int:
             pass
 
         hash_all = f"find {dst} -type f -print0 | xargs -0 b3sum"
-        verify_args = ("verify", "--store", str(store.root), "--key", KEY)
+        verify_args = ("verify", "--store", str(Path(tmp) / "store"), "--key", KEY)
         try:
             sh(f"cp -r {files} {dst}")  # a copy for the b3sum-alone row
             rows = [

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -26,28 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kernelcache.store import Store, verify
+from synthetic import publish_generation
 
 KEY = "bench/throughput/sm_90a"
-
-
-def make_files(root: Path, size_mb: int, seed: int = 7) -> tuple[int, int]:
-    """~85% of the bytes in 2-24 MB modules, the rest in 4-256 KB kernels and metadata."""
-    rng = random.Random(seed)
-    total, count, budget = 0, 0, size_mb << 20
-    chunk = rng.randbytes(1 << 20)
-    while total < budget:
-        big = rng.random() < 0.08
-        size = rng.randint(2 << 20, 24 << 20) if big else rng.randint(4 << 10, 256 << 10)
-        ext = rng.choice([".so", ".cubin"]) if big else rng.choice([".o", ".json", ".ptx"])
-        path = root / ("modules" if big else "kernels") / f"{count:05d}{ext}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        offset = rng.randrange(1 << 19)
-        data = (chunk * (size // len(chunk) + 2))[offset : offset + size]
-        path.write_bytes(data)
-        total += size
-        count += 1
-    return count, total
 
 
 def best_of(repeat: int, fn: Callable[[], object]) -> float:
@@ -82,16 +62,7 @@ def main() -> int:
     args = parser.parse_args()
     ncpu = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="kc-verify-bench-") as tmp:
-        src = Path(tmp) / "src"
-        count, total = make_files(src, args.size_mb)
-        store = Store(Path(tmp) / "store")
-        with store.writer(KEY) as writer:
-            staging = writer.staging()
-            shutil.rmtree(staging)
-            shutil.move(str(src), staging)
-            writer.publish(staging, {"digest": "blake3:" + "0" * 64, "factors": {}}, {})
-        gen = store.current(KEY)
-        assert gen is not None and verify(gen).ok
+        gen, count, total = publish_generation(Path(tmp), KEY, args.size_mb)
         files = sorted(str(p) for p in (gen / "files").rglob("*") if p.is_file())
         # In-process overhead of a child (interpreter start + import) is measured and removed.
         startup = best_of(
