@@ -61,12 +61,12 @@ from kernelcache.store import (
     FILES_DIR,
     Manifest,
     Store,
-    _fsync_dir,
-    _io,
-    _write_file_synced,
+    fsync_dir,
+    io_errors,
     load_public_key,
     materialize,
     verify,
+    write_file_synced,
 )
 
 __all__ = [
@@ -563,13 +563,13 @@ def _materialize(
     final = target / f"{manifest.generation}-untuned"
     try:
         copy = materialize(gen_dir, manifest, staging, workers=workers, durable=False)
-        with _io(copy):
+        with io_errors(copy):
             for rel in dropped:
                 (copy / FILES_DIR / rel).unlink()
             if final.exists():  # an earlier run's copy: replace it whole
                 shutil.rmtree(final)
             os.rename(copy, final)
-            _fsync_dir(target)
+            fsync_dir(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
@@ -636,13 +636,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Replace path with data in one rename, durable before this returns."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     try:
-        _write_file_synced(tmp, data)
-        with _io(path):
+        write_file_synced(tmp, data)
+        with io_errors(path):
             os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 # --------------------------------------------------------------------------- reporting

@@ -155,7 +155,7 @@ def _storage_error(exc: OSError, path: str | os.PathLike[str]) -> StorageError:
 
 
 @contextmanager
-def _io(path: str | os.PathLike[str]) -> Iterator[None]:
+def io_errors(path: str | os.PathLike[str]) -> Iterator[None]:
     """Turn an OSError into a one-line StorageError naming the path and the errno."""
     try:
         yield
@@ -169,9 +169,9 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _write_file_synced(path: Path, data: bytes, mode: int = 0o644) -> None:
+def write_file_synced(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Create path (it must not exist) holding data, on disk before this returns."""
-    with _io(path):
+    with io_errors(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
             _write_all(fd, data)
@@ -180,9 +180,9 @@ def _write_file_synced(path: Path, data: bytes, mode: int = 0o644) -> None:
             os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make the names in a directory (a rename, a new file) durable."""
-    with _io(path):
+    with io_errors(path):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
@@ -283,7 +283,7 @@ def _regular_files(root: Path) -> tuple[list[tuple[str, int]], list[str]]:
     """(files as (path, size), directories) under root; any other kind of entry is refused."""
     files: list[tuple[str, int]] = []
     dirs: list[str] = []
-    with _io(root):
+    with io_errors(root):
         for rel, entry in _walk(root):
             if entry.is_symlink():
                 raise UnsafePathError(f"{root / rel}: is a symlink", path=str(root / rel))
@@ -310,8 +310,8 @@ def _encodable(text: str) -> bool:
 
 
 def _fsync_tree_dirs(root: Path, dirs: list[str], workers: int | None) -> None:
-    _parallel(_fsync_dir, [root / d for d in dirs], workers)
-    _fsync_dir(root)
+    _parallel(fsync_dir, [root / d for d in dirs], workers)
+    fsync_dir(root)
 
 
 # --------------------------------------------------------------------------- digests
@@ -327,7 +327,7 @@ class FileEntry:
 def digest_file(path: str | os.PathLike[str]) -> str:
     """The "blake3:<hex>" digest of a regular file (a symlink is refused)."""
     path = Path(path)
-    with _io(path):
+    with io_errors(path):
         fd, st = _open_regular(path)
         try:
             return _hash_fd(fd, st.st_size)[0]
@@ -337,7 +337,7 @@ def digest_file(path: str | os.PathLike[str]) -> str:
 
 def _digest_one(root: Path, rel: str, fsync: bool) -> FileEntry:
     path = root / rel
-    with _io(path):
+    with io_errors(path):
         fd, st = _open_regular(path)
         try:
             digest, size = _hash_fd(fd, st.st_size)
@@ -676,12 +676,12 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 def generate_keypair(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write a new ed25519 key pair as PEM files; existing files are never overwritten."""
     directory = Path(directory)
-    with _io(directory):
+    with io_errors(directory):
         directory.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
     priv_path = directory / "kernelcache-signing.key"
     pub_path = directory / "kernelcache-signing.pub"
-    _write_file_synced(
+    write_file_synced(
         priv_path,
         private.private_bytes(
             serialization.Encoding.PEM,
@@ -690,7 +690,7 @@ def generate_keypair(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
         ),
         mode=0o600,
     )
-    _write_file_synced(
+    write_file_synced(
         pub_path,
         private.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -926,23 +926,23 @@ def _signature_problem(
 
 def _copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
     """Copy src to a new file dst in one read, returning the digest of the bytes copied."""
-    with _io(src):
+    with io_errors(src):
         fd, st = _open_regular(src)
     try:
-        with _io(dst):
+        with io_errors(dst):
             out = os.open(
                 dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, st.st_mode & 0o755
             )
         try:
 
             def write(chunk: memoryview) -> None:
-                with _io(dst):
+                with io_errors(dst):
                     _write_all(out, chunk)
 
-            with _io(src):
+            with io_errors(src):
                 digest, size = _hash_fd(fd, st.st_size, write)
             if durable:
-                with _io(dst):
+                with io_errors(dst):
                     os.fsync(out)
         finally:
             os.close(out)
@@ -954,7 +954,7 @@ def _copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
 def _make_dirs(root: Path, rel_files: Iterable[str]) -> list[str]:
     dirs = sorted({p for rel in rel_files for p in _parents(rel)})
     for rel in dirs:
-        with _io(root / rel):
+        with io_errors(root / rel):
             (root / rel).mkdir(exist_ok=True)
     return dirs
 
@@ -986,15 +986,15 @@ def materialize(
     result = target / manifest.generation
     if (result / COMPLETE_MARKER).is_file():
         return result
-    with _io(target):
+    with io_errors(target):
         target.mkdir(parents=True, exist_ok=True)
     partial = target / f".partial-{secrets.token_hex(4)}"
     try:
-        with _io(partial):
+        with io_errors(partial):
             partial.mkdir()
         _copy_manifest(gen_dir, manifest, partial)
         src_root, dst_root = gen_dir / FILES_DIR, partial / FILES_DIR
-        with _io(dst_root):
+        with io_errors(dst_root):
             dst_root.mkdir()
         dirs = _make_dirs(dst_root, (e.path for e in manifest.files))
 
@@ -1012,13 +1012,13 @@ def materialize(
                 raise IntegrityError(f"{src}: digest mismatch", path=str(src))
 
         _parallel(copy, sorted(manifest.files, key=lambda e: -e.size), workers)
-        _write_file_synced(partial / COMPLETE_MARKER, f"{manifest.generation}\n".encode())
+        write_file_synced(partial / COMPLETE_MARKER, f"{manifest.generation}\n".encode())
         if durable:
             _fsync_tree_dirs(dst_root, dirs, workers)
-            _fsync_dir(partial)
+            fsync_dir(partial)
         if result.exists():  # no marker: not ours, or not complete; never reuse it
             stale = target / f".partial-{secrets.token_hex(4)}"
-            with _io(result):
+            with io_errors(result):
                 os.rename(result, stale)
             shutil.rmtree(stale, ignore_errors=True)
         try:
@@ -1032,7 +1032,7 @@ def materialize(
                 shutil.rmtree(partial, ignore_errors=True)
                 return result
             raise _storage_error(exc, result) from exc
-        _fsync_dir(target)
+        fsync_dir(target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -1043,15 +1043,15 @@ def _copy_manifest(gen_dir: Path, manifest: Manifest, dst: Path) -> None:
     """Copy MANIFEST.json (and its signature) byte for byte, so the copy verifies the same.
     The bytes must still be the manifest the caller verified."""
     path = gen_dir / MANIFEST_NAME
-    with _io(path):
+    with io_errors(path):
         data = _read_regular(path)
     if Manifest.parse(data, str(path)) != manifest:
         raise IntegrityError(f"{path}: changed since it was verified", path=str(path))
-    _write_file_synced(dst / MANIFEST_NAME, data)
+    write_file_synced(dst / MANIFEST_NAME, data)
     sig = gen_dir / SIGNATURE_NAME
     if sig.is_file():
-        with _io(sig):
-            _write_file_synced(dst / SIGNATURE_NAME, _read_regular(sig))
+        with io_errors(sig):
+            write_file_synced(dst / SIGNATURE_NAME, _read_regular(sig))
 
 
 # --------------------------------------------------------------------------- the store
@@ -1147,7 +1147,7 @@ class Store:
         """Hold the key's writer lock; waits at most timeout seconds (None: forever)."""
         key_dir = self.key_dir(key)
         lock_path = key_dir / LOCK_NAME
-        with _io(key_dir):
+        with io_errors(key_dir):
             key_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -1182,7 +1182,7 @@ class Store:
 
 def _lock(fd: int, lock_path: Path, key: str, timeout: float | None) -> None:
     if timeout is None:
-        with _io(lock_path):
+        with io_errors(lock_path):
             fcntl.flock(fd, fcntl.LOCK_EX)
     else:
         deadline = time.monotonic() + timeout
@@ -1221,7 +1221,7 @@ def _holder(fd: int) -> str:
 
 def _remove_transient(key_dir: Path) -> None:
     """Remove what writers that died left behind; only a lock holder may call this."""
-    with _io(key_dir):
+    with io_errors(key_dir):
         for entry in os.scandir(key_dir):
             if entry.name.startswith(_TRANSIENT_PREFIXES):
                 log.info("removing leftover %s", entry.path)
@@ -1234,10 +1234,10 @@ def _remove_transient(key_dir: Path) -> None:
 def _trash(key_dir: Path, path: Path) -> None:
     """Delete a directory so that it is never seen half-deleted under its own name."""
     trash = key_dir / f".trash-{path.name}-{secrets.token_hex(4)}"
-    with _io(path):
+    with io_errors(path):
         os.rename(path, trash)
-    _fsync_dir(key_dir)
-    with _io(trash):
+    fsync_dir(key_dir)
+    with io_errors(trash):
         shutil.rmtree(trash)
 
 
@@ -1273,7 +1273,7 @@ class Writer:
         rename on one filesystem."""
         self._check_open()
         root = self.key_dir / f".staging-{os.getpid()}-{secrets.token_hex(4)}"
-        with _io(root):
+        with io_errors(root):
             root.mkdir()
             self._stagings.add(root)
             (root / FILES_DIR).mkdir()
@@ -1319,10 +1319,10 @@ class Writer:
                 report=report,
             )
             data = manifest.to_bytes()
-            _write_file_synced(staging / MANIFEST_NAME, data)
+            write_file_synced(staging / MANIFEST_NAME, data)
             if signing_key is not None:
-                _write_file_synced(staging / SIGNATURE_NAME, _signature_bytes(signing_key, data))
-            _fsync_dir(staging)
+                write_file_synced(staging / SIGNATURE_NAME, _signature_bytes(signing_key, data))
+            fsync_dir(staging)
             manifest, created_new = self._install(staging, manifest, signing_key, workers)
         except BaseException:
             self._discard(staging)
@@ -1331,8 +1331,8 @@ class Writer:
         gen_dir = self.key_dir / manifest.generation
         tmp = self.key_dir / f".CURRENT.{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            _write_file_synced(tmp, f"{manifest.generation}\n".encode())
-            with _io(self.key_dir / CURRENT_NAME):
+            write_file_synced(tmp, f"{manifest.generation}\n".encode())
+            with io_errors(self.key_dir / CURRENT_NAME):
                 os.replace(tmp, self.key_dir / CURRENT_NAME)
         except BaseException:
             with suppress(OSError):
@@ -1342,7 +1342,7 @@ class Writer:
                     _trash(self.key_dir, gen_dir)
             raise
         # If this fsync fails, CURRENT already names the new, complete generation.
-        _fsync_dir(self.key_dir)
+        fsync_dir(self.key_dir)
 
         try:
             self.store._gc_locked(self.key, keep)
@@ -1397,24 +1397,24 @@ class Writer:
                 return existing.manifest, False
             log.warning("replacing generation %s, which fails verification", gen_dir)
             _trash(self.key_dir, gen_dir)
-        with _io(staging):
+        with io_errors(staging):
             os.rename(staging, gen_dir)
         self._stagings.discard(staging)
-        _fsync_dir(self.key_dir)
+        fsync_dir(self.key_dir)
         return manifest, True
 
     def _resign(self, gen_dir: Path, signing_key: Ed25519PrivateKey) -> None:
         """Sign a kept generation's manifest with this publisher's key (atomically)."""
         manifest_path = gen_dir / MANIFEST_NAME
-        with _io(manifest_path):
+        with io_errors(manifest_path):
             data = _read_regular(manifest_path)
         tmp = gen_dir / f".{SIGNATURE_NAME}.{secrets.token_hex(4)}"
         try:
-            _write_file_synced(tmp, _signature_bytes(signing_key, data))
-            with _io(gen_dir / SIGNATURE_NAME):
+            write_file_synced(tmp, _signature_bytes(signing_key, data))
+            with io_errors(gen_dir / SIGNATURE_NAME):
                 os.replace(tmp, gen_dir / SIGNATURE_NAME)
         except BaseException:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(gen_dir)
+        fsync_dir(gen_dir)
