@@ -192,13 +192,20 @@ def environment_stamp(recorded: stamps.Stamp, arch: str | None = None) -> stamps
     return stamps.Stamp({**measured, **declared})
 
 
+def stamp_mismatch(diffs: list[stamps.FactorDiff]) -> StampMismatchError | None:
+    """The one-line error for differing factors (the first named), or None when none differ."""
+    if not diffs:
+        return None
+    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    return StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+
+
 def check_environment(manifest: Manifest, arch: str | None = None) -> None:
     """Refuse a generation whose stamp differs from this environment, naming the factor."""
     recorded = stamps.Stamp.from_dict(manifest.stamp)
-    diffs = stamps.explain(recorded, environment_stamp(recorded, arch))
-    if diffs:
-        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-        raise StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+    error = stamp_mismatch(stamps.explain(recorded, environment_stamp(recorded, arch)))
+    if error is not None:
+        raise error
 
 
 def result_exit_code(results: list[ArchResult]) -> int:

@@ -57,7 +57,6 @@ from kernelcache.errors import (
     KernelCacheError,
     MissingGenerationError,
     SpecError,
-    StampMismatchError,
     StorageError,
 )
 from kernelcache.runtime import hooks, metrics
@@ -235,7 +234,7 @@ def _read_env_file() -> None:
 def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     """Read and stamp-check the generation; its files/ directory, or None when unusable."""
     from kernelcache import stamp as stamps
-    from kernelcache.build import environment_stamp
+    from kernelcache.build import environment_stamp, stamp_mismatch
     from kernelcache.store import FILES_DIR
 
     config = runtime.config
@@ -256,9 +255,8 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         stamp=recorded.digest,
         mismatch=bool(diffs),
     )
-    if diffs:
-        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-        error = StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+    error = stamp_mismatch(diffs)
+    if error is not None:
         if config.strict:
             raise error
         # Still used: each toolchain keys its own artifacts, so whatever does not fit this
