@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode, StampMismatchError
+from kernelcache.errors import ExitCode
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
 from kernelcache.warm import make_warmers, run_warmers
@@ -164,46 +164,11 @@ def write_result(path: Path, result: ArchResult) -> None:
     path.write_text(json.dumps(asdict(result)))
 
 
-def environment_stamp(recorded: stamps.Stamp, arch: str | None = None) -> stamps.Stamp:
-    """This environment's stamp for comparison with ``recorded``.
-
-    Recomputes what an environment decides (arch, Python ABI, CUDA runtime, every recorded
-    distribution, the declared kernel sources as importable here) and carries over what the
-    build declared (workload, model, engine image) and the GPU product, which scopes only
-    tuning results and is checked against the node separately.
-    """
-    factors = recorded.factors
-    sources = {}
-    for name in factors:
-        if name.startswith("source/"):
-            module = name.removeprefix("source/")
-            try:
-                sources[module] = stamps.source_digest(module)
-            except Exception:  # not importable here: the factor reads as absent
-                sources[module] = "absent"
-    here = stamps.collect(
-        arch=arch or factors.get("arch"),
-        distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
-        sources=sources,
-        extra={n.removeprefix("extra/"): v for n, v in factors.items() if n.startswith("extra/")},
-    )
-    measured = {n: v for n, v in here.factors.items() if n not in stamps.TUNE_SCOPED}
-    declared = {n: v for n, v in factors.items() if n == "workload" or n in stamps.TUNE_SCOPED}
-    return stamps.Stamp({**measured, **declared})
-
-
-def stamp_mismatch(diffs: list[stamps.FactorDiff]) -> StampMismatchError | None:
-    """The one-line error for differing factors (the first named), or None when none differ."""
-    if not diffs:
-        return None
-    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    return StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
-
-
 def check_environment(manifest: Manifest, arch: str | None = None) -> None:
     """Refuse a generation whose stamp differs from this environment, naming the factor."""
     recorded = stamps.Stamp.from_dict(manifest.stamp)
-    error = stamp_mismatch(stamps.explain(recorded, environment_stamp(recorded, arch)))
+    here = stamps.environment_stamp(recorded, arch)
+    error = stamps.stamp_mismatch(stamps.explain(recorded, here))
     if error is not None:
         raise error
 

@@ -199,16 +199,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     Either side may be ``env``: this environment's stamp, recomputed against the other side.
     """
     from kernelcache import stamp as stamps
-    from kernelcache.build import environment_stamp
 
     if args.left == "env" and args.right == "env":
         raise SpecError("explain: at most one side can be 'env'")
     if args.left == "env":
         right = _stamp_of(args.right)
-        left = environment_stamp(right)
+        left = stamps.environment_stamp(right)
     else:
         left = _stamp_of(args.left)
-        right = _stamp_of(args.right) if args.right != "env" else environment_stamp(left)
+        right = _stamp_of(args.right) if args.right != "env" else stamps.environment_stamp(left)
     diffs = stamps.explain(left, right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")

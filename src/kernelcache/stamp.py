@@ -41,7 +41,7 @@ from typing import Any
 
 import blake3
 
-from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError
+from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
 
 __all__ = [
     "DEFAULT_DISTRIBUTIONS",
@@ -267,6 +267,42 @@ def collect(
     return Stamp(factors)
 
 
+def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
+    """This environment's stamp for comparison with ``recorded``.
+
+    Recomputes what an environment decides (arch, Python ABI, CUDA runtime, every recorded
+    distribution, the declared kernel sources as importable here) and carries over what the
+    build declared (workload, model, engine image) and the GPU product, which scopes only
+    tuning results and is checked against the node separately.
+    """
+    factors = recorded.factors
+    sources = {}
+    for name in factors:
+        if name.startswith("source/"):
+            module = name.removeprefix("source/")
+            try:
+                sources[module] = source_digest(module)
+            except Exception:  # not importable here: the factor reads as absent
+                sources[module] = "absent"
+    here = collect(
+        arch=arch or factors.get("arch"),
+        distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
+        sources=sources,
+        extra={n.removeprefix("extra/"): v for n, v in factors.items() if n.startswith("extra/")},
+    )
+    measured = {n: v for n, v in here.factors.items() if n not in TUNE_SCOPED}
+    declared = {n: v for n, v in factors.items() if n == "workload" or n in TUNE_SCOPED}
+    return Stamp({**measured, **declared})
+
+
+def stamp_mismatch(diffs: list[FactorDiff]) -> StampMismatchError | None:
+    """The one-line error for differing factors (the first named), or None when none differ."""
+    if not diffs:
+        return None
+    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    return StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+
+
 def _declared(kind: str, name: str, value: str) -> str:
     """A caller-declared factor value, refused when it is a host path."""
     if not isinstance(name, str) or not name:
@@ -451,28 +487,36 @@ def _python_abi() -> str:
 
 
 def _cuda_runtime() -> str:
-    """The CUDA runtime wheel's version, else the CUDA torch was built against, else none."""
+    """Every CUDA runtime wheel's version, else the CUDA torch was built against, else none.
+
+    Every one, not the first found: an image can hold a CUDA 12 and a CUDA 13 runtime for
+    libraries built against each, and either one's upgrade changes what those libraries load.
+    """
+    installed = []
     for name in _CUDA_RUNTIME_DISTRIBUTIONS:
         try:
-            return f"{name} {importlib.metadata.version(name)}"
+            installed.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             continue
+    if installed:
+        return "; ".join(installed)
     torch_cuda = _torch_cuda_version()
     return f"torch {torch_cuda}" if torch_cuda else "none"
 
 
 def _torch_cuda_version() -> str | None:
-    """The ``cuda = '...'`` line of torch's version.py, read as text: torch is not imported."""
+    """The ``cuda = '...'`` line of torch's version.py, read as text: torch is not imported.
+
+    Located beside the distribution's RECORD rather than through ``files()``, which builds a
+    path object for each of torch's ~15,000 files: a third of a second in every serving start.
+    """
     try:
         dist = importlib.metadata.distribution("torch")
     except importlib.metadata.PackageNotFoundError:
         return None
-    for file in dist.files or ():
-        if file.as_posix() == "torch/version.py":
-            try:
-                text = Path(str(dist.locate_file(file))).read_text(encoding="utf-8")
-            except OSError:
-                return None
-            match = _TORCH_CUDA_LINE.search(text)
-            return match[1] if match else None
-    return None
+    try:
+        text = Path(str(dist.locate_file("torch/version.py"))).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = _TORCH_CUDA_LINE.search(text)
+    return match[1] if match else None

@@ -234,14 +234,13 @@ def _read_env_file() -> None:
 def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     """Read and stamp-check the generation; its files/ directory, or None when unusable."""
     from kernelcache import stamp as stamps
-    from kernelcache.build import environment_stamp, stamp_mismatch
     from kernelcache.store import FILES_DIR
 
     config = runtime.config
     try:
         manifest = _read_manifest(directory)
         recorded = stamps.Stamp.from_dict(manifest.stamp)
-        diffs = stamps.explain(recorded, environment_stamp(recorded, config.arch))
+        diffs = stamps.explain(recorded, stamps.environment_stamp(recorded, config.arch))
     except KernelCacheError as exc:
         if config.strict:
             raise
@@ -255,7 +254,7 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         stamp=recorded.digest,
         mismatch=bool(diffs),
     )
-    error = stamp_mismatch(diffs)
+    error = stamps.stamp_mismatch(diffs)
     if error is not None:
         if config.strict:
             raise error
@@ -293,6 +292,9 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
         _set_default(runtime, name, str(files / subdir))
     # Triton reads a saved autotune result only with autotune caching on.
     _set_default(runtime, "TRITON_CACHE_AUTOTUNING", "1")
+    # Inductor's kernels are loaded from the generation, not compiled: no compile-worker pool
+    # to start (seconds), and a compile that still happens stays in this process, counted.
+    _set_default(runtime, "TORCHINDUCTOR_COMPILE_THREADS", "1")
     aot = files / FLASHINFER_AOT_SUBDIR
     if aot.is_dir() and any(aot.iterdir()):
         hooks.use_flashinfer_aot(aot)

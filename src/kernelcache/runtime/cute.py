@@ -69,7 +69,7 @@ class CacheStats:
 
 
 @cache
-def _dsl_stack() -> dict[str, str]:
+def dsl_stack() -> dict[str, str]:
     """Versions and RECORD digests of the DSL distributions: a rebuilt DSL is a new key."""
     from importlib.metadata import distributions
 
@@ -77,14 +77,22 @@ def _dsl_stack() -> dict[str, str]:
 
     names = sorted(
         {
-            d.metadata["Name"].lower()
-            for d in distributions()
-            if (d.metadata["Name"] or "")
-            .lower()
-            .startswith(("nvidia-cutlass-dsl", "apache-tvm-ffi"))
+            name
+            for name in map(_distribution_name, distributions())
+            if name.startswith(("nvidia-cutlass-dsl", "apache-tvm-ffi"))
         }
     )
     return {name: distribution_factor(name) for name in names}
+
+
+def _distribution_name(dist: Any) -> str:
+    """The canonical name, from the dist-info folder's name where there is one.
+
+    Parsing every installed distribution's METADATA costs tens of milliseconds in a serving
+    image, more than loading a kernel; the folder name carries the same normalized name.
+    """
+    folder_name = getattr(dist, "_normalized_name", None)
+    return str(folder_name or dist.metadata["Name"] or "").lower().replace("_", "-")
 
 
 @cache
@@ -142,8 +150,11 @@ def describe_argument(arg: Any) -> str:
 
 
 def _unpathed(value: str) -> str:
-    """Keep the tail of a path (``cu12/lib/libx.so``: the variant) and drop the install prefix."""
-    return re.sub(r"'?/[^;']*/([^/;']+/[^/;']+/[^/;']+)'?", r"\1", value)
+    """Keep the tail of a path (``cu12/lib/libx.so``: the variant) and drop the install prefix.
+
+    Each path of a list (``a.so:b.so``, as ``CUTE_DSL_LIBS`` takes) keeps its own tail.
+    """
+    return re.sub(r"'?/[^;':]*/([^/;':]+/[^/;':]+/[^/;':]+)'?", r"\1", value)
 
 
 def _dsl_settings() -> tuple[str, str]:
@@ -182,7 +193,7 @@ def key_factors(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options:
         "args": [describe_argument(a) for a in args],
         "kwargs": {k: describe_argument(v) for k, v in sorted(kwargs.items())},
         "options": "" if options is None else repr(options),
-        "dsl": _dsl_stack(),
+        "dsl": dsl_stack(),
         "arch": arch,
         "settings": settings,
     }

@@ -70,6 +70,7 @@ def _install_cute(_: ModuleType) -> None:
 
     disk.on_event = _on_cute_event
     disk.install()
+    disk.dsl_stack()  # read the DSL's distributions now, not on the first request's kernel
 
 
 def _on_cute_event(kind: str, name: str, seconds: float | None) -> None:
