@@ -141,6 +141,41 @@ def test_the_first_gpu_class_of_an_arch_places_its_job() -> None:
     assert manifests.gpu_class_for(kc, "sm_90a").name == "h100"
 
 
+RTX_PRO = {
+    "name": "rtx-pro-6000",
+    "arch": "sm_120a",
+    "smCount": 188,
+    "nodeSelector": {"nvidia.com/gpu.product": "RTX-PRO-6000"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "resources": {
+        "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("compile_on", "selector", "tolerated", "resources"),
+    [
+        ("target", RTX_PRO["nodeSelector"], True, RTX_PRO["resources"]),
+        ("any-gpu", {}, True, RTX_PRO["resources"]),
+        ("cpu", {}, False, {"requests": {"cpu": "8", "memory": "32Gi"}}),
+    ],
+)
+def test_compile_on_places_the_job(
+    compile_on: str, selector: dict[str, str], tolerated: bool, resources: dict[str, Any]
+) -> None:
+    """A b12x cache for a Blackwell-consumer fleet compiles on whatever node the class says."""
+    kc = kernelcache(gpuClasses=[{**RTX_PRO, "compileOn": compile_on}])
+    job = manifests.compile_job(
+        kc, arch="sm_120a", digest="e" * 16, attempt=0, owner=OWNER, config=CONFIG
+    )
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == selector
+    assert bool(pod["tolerations"]) is tolerated
+    assert pod["containers"][0]["resources"] == resources
+
+
 def test_spec_configmap_round_trips_through_the_parser() -> None:
     kc = kernelcache()
     kc.spec.warmers[0].workload["none"] = None  # free-form JSON keeps its nulls

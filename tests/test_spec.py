@@ -379,8 +379,10 @@ def test_crd_keeps_constraints():
         "triton",
         "torch-compile",
         "flashinfer",
+        "b12x",
         "command",
     ]
+    assert gpu_class["compileOn"]["enum"] == ["target", "any-gpu", "cpu"]
     assert warmer["timeoutSeconds"]["default"] == 3600
     assert warmer["workload"]["x-kubernetes-preserve-unknown-fields"] is True
     assert spec["storage"]["default"] == {"pvc": {"size": "50Gi", "accessModes": ["ReadWriteMany"]}}

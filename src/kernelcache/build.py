@@ -88,10 +88,15 @@ def warm_arch(
     """Warm, seal and publish one arch; a no-op when the current generation has this stamp."""
     start = time.perf_counter()
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
-    warmers = make_warmers(kc.spec.warmers, spec_dir)
+    warmers = make_warmers(kc.spec.warmers, spec_dir, kc.spec.gpu_classes)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     stamp = stamps.collect(
-        arch=arch, sources=sources, workload=workload_of(kc), extra=declared_factors(kc)
+        arch=arch,
+        sources=sources,
+        workload=workload_of(kc),
+        extra=declared_factors(kc),
+        measured=sorted({name for w in warmers for name in w.measured_factors()}),
+        sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
     )
     key = cache_key(kc, arch)
     with store.writer(key) as writer:

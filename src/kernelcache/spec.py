@@ -120,13 +120,77 @@ class GpuClass(BaseModel):
     gpu_product: str | None = Field(
         default=None, description="GPU product name, e.g. 'NVIDIA H200'; scopes autotune results."
     )
-    sm_count: int | None = Field(default=None, ge=1, description="Streaming multiprocessor count.")
+    sm_count: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Streaming multiprocessor count. Kernels sized to the GPU (b12x) embed it, so a "
+            "compile off the target GPU needs it."
+        ),
+    )
+    max_active_clusters: int | None = Field(
+        default=None,
+        ge=1,
+        description="Clusters of one CTA resident at once on the GPU; defaults to smCount.",
+    )
+    compile_on: Literal["target", "any-gpu", "cpu"] = Field(
+        default="target",
+        description=(
+            "Where this class's compile Job runs: a node of the class itself, any GPU node, "
+            "or a CPU node (for warmers that cross-compile, such as cute-dsl and b12x)."
+        ),
+    )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources)
 
 
-WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "command")
+WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "command")
+
+
+class B12xWorkload(BaseModel):
+    """The MoE layer a b12x warmer compiles for, as the serving engine configures it."""
+
+    model_config = _SPEC_CONFIG
+
+    experts: int = Field(ge=1, description="Experts of the model (global).")
+    top_k: int = Field(ge=1, description="Experts routed per token.")
+    hidden_size: int = Field(ge=128, multiple_of=128)
+    intermediate_size: int = Field(ge=16, description="The model's, before tensor parallelism.")
+    tensor_parallel: int = Field(default=1, ge=1, description="Intermediate-size slices.")
+    local_experts: int | None = Field(default=None, ge=1, description="Expert parallelism.")
+    activation: Literal["silu", "gelu_tanh", "swigluoai_uninterleave", "relu2"] = "silu"
+    quantization: Literal["nvfp4", "mxfp4", "w4a16"] = "nvfp4"
+    max_num_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="The engine's MoE chunk size (vLLM: VLLM_MOE_DP_CHUNK_SIZE).",
+    )
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        min_length=1, description="Token counts per forward the engine serves (m)."
+    )
+    compile_workers: int | None = Field(
+        default=None, ge=1, description="Parallel compile processes; default: one per CPU."
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> B12xWorkload:
+        if self.intermediate_size % self.tensor_parallel:
+            raise _rule_error(
+                "intermediateSize",
+                f"{self.intermediate_size} does not split into {self.tensor_parallel} slices",
+            )
+        if self.top_k > self.experts:
+            raise _rule_error("topK", f"{self.top_k} is more than the {self.experts} experts")
+        if (too_big := max(self.batch_sizes)) > self.max_num_tokens:
+            raise _rule_error(
+                "batchSizes", f"{too_big} is more than maxNumTokens ({self.max_num_tokens})"
+            )
+        return self
+
+    @property
+    def intermediate_per_slice(self) -> int:
+        return self.intermediate_size // self.tensor_parallel
 
 
 class Warmer(BaseModel):
@@ -134,7 +198,7 @@ class Warmer(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "command"]
+    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "command"]
     entry_points: list[EntryPoint] = Field(
         default_factory=list,
         description="All but command: functions called with the workload that compile kernels.",
@@ -155,7 +219,12 @@ class Warmer(BaseModel):
 
     @model_validator(mode="after")
     def _check_type_fields(self) -> Warmer:
-        if self.type != "command":
+        if self.type == "b12x":  # drives FlashInfer's own MoE wrapper: no code of the user's
+            for name, value in (("entryPoints", self.entry_points), ("command", self.command)):
+                if value:
+                    raise _rule_error(name, "not allowed for a b12x warmer")
+            self.b12x_workload()
+        elif self.type != "command":
             if not self.entry_points:
                 raise _rule_error("entryPoints", f"required for a {self.type} warmer")
             if self.command:
@@ -166,6 +235,17 @@ class Warmer(BaseModel):
             if self.entry_points:
                 raise _rule_error("entryPoints", "not allowed for a command warmer")
         return self
+
+    def b12x_workload(self) -> B12xWorkload:
+        """The workload of a b12x warmer, checked; errors name ``workload.<field>``."""
+        try:
+            return B12xWorkload.model_validate(self.workload)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            loc = [str(part) for part in error["loc"]]
+            if error["type"] == "spec_rule":
+                loc.append(error["ctx"]["field"])
+            raise _rule_error(".".join(["workload", *loc]), error["msg"]) from None
 
 
 class PvcTemplate(BaseModel):

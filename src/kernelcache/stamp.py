@@ -20,6 +20,8 @@ reads) and are never imported.
 from __future__ import annotations
 
 import csv
+import ctypes
+import hashlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -241,12 +243,15 @@ def collect(
     sources: Mapping[str, str] | None = None,
     workload: object = None,
     extra: Mapping[str, str] | None = None,
+    measured: Iterable[str] = (),
+    sm_counts: Iterable[int] = (),
 ) -> Stamp:
     """The stamp of this environment for a build or a check.
 
     ``gpu_product`` is detected only when the visible GPUs are of the target arch: a build for
     another arch says nothing about the product it will be tuned on. ``distributions=None``
-    means the defaults.
+    means the defaults. ``measured`` names factors of ``MEASURED_FACTORS`` a warmer depends on;
+    ``sm_counts`` are the SM counts kernels were sized for (``gpu/sm_count``).
     """
     target = detect_arch(arch)
     if gpu_product is None:
@@ -264,6 +269,10 @@ def collect(
         factors["workload"] = workload_digest(workload)
     for key, value in (extra or {}).items():
         factors[f"extra/{key}"] = _declared("extra", key, value)
+    for name in measured:
+        factors[name] = MEASURED_FACTORS[name]()
+    if counts := sorted(set(sm_counts)):
+        factors[SM_COUNT_FACTOR] = ",".join(map(str, counts))
     return Stamp(factors)
 
 
@@ -289,10 +298,19 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
         distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
         sources=sources,
         extra={n.removeprefix("extra/"): v for n, v in factors.items() if n.startswith("extra/")},
+        measured=[n for n in factors if n in MEASURED_FACTORS],
     )
     measured = {n: v for n, v in here.factors.items() if n not in TUNE_SCOPED}
     declared = {n: v for n, v in factors.items() if n == "workload" or n in TUNE_SCOPED}
+    if SM_COUNT_FACTOR in factors:
+        declared[SM_COUNT_FACTOR] = _sm_count_here(factors[SM_COUNT_FACTOR])
     return Stamp({**measured, **declared})
+
+
+def _sm_count_here(recorded: str) -> str:
+    """The recorded SM counts when this GPU's is among them (or unknown here), else this one's."""
+    here = detect_sm_count()
+    return recorded if here is None or str(here) in recorded.split(",") else str(here)
 
 
 def stamp_mismatch(diffs: list[FactorDiff]) -> StampMismatchError | None:
@@ -399,6 +417,71 @@ def _nvidia_smi(query: str) -> list[str]:
     if not rows:
         raise NoGpuInfoError("nvidia-smi lists no GPU")
     return rows
+
+
+# ------------------------------------------------------------------ toolchain-keyed factors
+
+SM_COUNT_FACTOR = "gpu/sm_count"
+SM_COUNT_ENV = "KERNELCACHE_SM_COUNT"
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+
+
+def detect_sm_count() -> int | None:
+    """This node's GPU SM count: ``KERNELCACHE_SM_COUNT``, else the CUDA driver; None without.
+
+    The driver is asked through its C API (no torch): ``cuInit`` and one attribute query.
+    """
+    value = os.environ.get(SM_COUNT_ENV)
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise SpecError(f"{SM_COUNT_ENV}={value!r} is not a positive SM count")
+        return int(value)
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
+        return None
+    attribute = _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if driver.cuDeviceGetAttribute(ctypes.byref(count), attribute, device):
+        return None
+    return count.value
+
+
+def flashinfer_cute_dsl_fingerprint() -> str:
+    """FlashInfer's own fingerprint of its CuTe-DSL stack (``jit/cute_dsl_core.py``), digested.
+
+    FlashInfer keys its persisted CuTe-DSL kernels on the raw RECORD and ``direct_url.json``
+    of torch, apache-tvm-ffi and every nvidia-cutlass-dsl* distribution, plus the Python tag,
+    and wipes them all on the first mismatch. That is stricter than the ``dist/`` factors
+    (an installer's own RECORD rows count there), so it is mirrored here as one factor.
+    """
+    stack = []
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in {"torch", "apache-tvm-ffi"} or name.startswith("nvidia-cutlass-dsl"):
+            provenance = json.dumps([dist.read_text("RECORD"), dist.read_text("direct_url.json")])
+            digest = hashlib.sha256(provenance.encode()).hexdigest()
+            stack.append(f"{name}=={dist.version}:{digest}")
+    text = ";".join([str(sys.implementation.cache_tag), str(_python_abi()), *sorted(stack)])
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def flashinfer_install() -> str:
+    """Where FlashInfer is installed: it hashes its sources' absolute paths into its keys."""
+    spec = _find_spec_without_import("flashinfer")
+    if spec is None or not spec.origin:
+        return "absent"
+    return str(Path(spec.origin).parent.parent)  # as Python found it: FlashInfer hashes __file__
+
+
+# Factors a warmer can depend on beyond the distributions; measured again wherever a stamp
+# is checked.
+MEASURED_FACTORS = {
+    "flashinfer/cute-dsl-fingerprint": flashinfer_cute_dsl_fingerprint,
+    "flashinfer/install": flashinfer_install,
+}
 
 
 def _canonical_name(name: str) -> str:

@@ -255,7 +255,7 @@ def compile_job(
         command += ["--signing-key", f"{SIGNING_DIR}/{SIGNING_KEY_FILE}"]
         mounts.append({"name": "signing", "mountPath": SIGNING_DIR, "readOnly": True})
         volumes.append({"name": "signing", "secret": {"secretName": signing.secret_name}})
-    resources = {k: v for k, v in gpu.resources.model_dump(by_alias=True).items() if v}
+    node_selector, tolerations, resources = compile_placement(gpu)
     container = {
         "name": "warm",
         "image": image_of(kc),
@@ -271,14 +271,40 @@ def compile_job(
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(config),
-        "nodeSelector": dict(gpu.node_selector),
-        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in gpu.tolerations],
+        "nodeSelector": node_selector,
+        "tolerations": tolerations,
         "containers": [container],
         "volumes": volumes,
     }
     deadline = sum(w.timeout_seconds for w in kc.spec.warmers) + config.job_deadline_margin_seconds
     name = job_name(kc.metadata.name, arch, digest, attempt)
     return _job(_metadata(kc, name, labels, owner), labels, pod_spec, config, deadline)
+
+
+def compile_placement(
+    gpu: GpuClass,
+) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, dict[str, str]]]:
+    """(nodeSelector, tolerations, resources) of a compile Job, after the class's ``compileOn``.
+
+    ``target`` runs on a node of the class; ``any-gpu`` keeps the class's GPU request and
+    tolerations but not its node selector; ``cpu`` asks for no GPU and no GPU node at all.
+    """
+    resources = {k: dict(v) for k, v in gpu.resources.model_dump(by_alias=True).items() if v}
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in gpu.tolerations]
+    if gpu.compile_on == "target":
+        return dict(gpu.node_selector), tolerations, resources
+    if gpu.compile_on == "any-gpu":
+        return {}, tolerations, resources
+    cpu_only = {
+        kind: {name: q for name, q in amounts.items() if not _is_accelerator(name)}
+        for kind, amounts in resources.items()
+    }
+    return {}, [], {kind: amounts for kind, amounts in cpu_only.items() if amounts}
+
+
+def _is_accelerator(resource: str) -> bool:
+    """An extended resource of a device plugin (``nvidia.com/gpu``, ``nvidia.com/mig-1g.10gb``)."""
+    return "/" in resource and resource.split("/", 1)[0] != "kubernetes.io"
 
 
 def data_path(kc: KernelCache, config: OperatorConfig) -> str:

@@ -310,6 +310,8 @@ def _observe(runtime: Runtime, files: Path | None) -> None:
     hooks.watch_cute()
     hooks.watch_triton(config.strict)
     hooks.watch_inductor(config.strict, megacache if megacache and megacache.is_file() else None)
+    if config.strict:
+        hooks.refuse_flashinfer_cute_dsl_builds()
     build_log = config.flashinfer_build_log
     if build_log is None and importlib.util.find_spec("flashinfer") is not None:
         build_log = Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"

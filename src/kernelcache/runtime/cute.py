@@ -2,7 +2,7 @@
 
 ``cute.compile`` in nvidia-cutlass-dsl never consults the DSL's own file cache, so every
 process pays the full MLIR compile for every specialization it meets. This layer keys each
-call by what decides the compiled code, exports the result with ``export_to_c`` on a miss and
+call by what decides the compiled code, exports the object on a miss and
 loads it with ``cutlass.cute.runtime.load_module`` on a hit (no MLIR compile at all).
 
 The key is an explicit dict of named factors, saved beside the artifact in ``<key>.json``:
@@ -62,6 +62,7 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
+    persisted: int = 0
     bypassed: int = 0
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
@@ -102,6 +103,8 @@ def _module_source_digest(path: str) -> str:
 
 def _function_factors(fn: Any) -> dict[str, str]:
     target = inspect.unwrap(getattr(fn, "func", fn))
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        return _instance_factors(target)
     try:
         source = inspect.getsourcefile(target)
     except TypeError as exc:
@@ -112,6 +115,20 @@ def _function_factors(fn: Any) -> dict[str, str]:
         "function": f"{target.__module__}:{target.__qualname__}",
         "source": _module_source_digest(source),
     }
+
+
+def _instance_factors(kernel: Any) -> dict[str, str]:
+    """A configured kernel object: its class's source and the configuration it says it has.
+
+    FlashInfer's kernel classes expose ``__cache_key__`` (every setting that changes the
+    generated code), the key it memoizes their compiles under in-process.
+    """
+    config = getattr(kernel, "__cache_key__", None)
+    if config is None:
+        raise UncacheableError(f"{type(kernel).__qualname__} object has no __cache_key__")
+    factors = _function_factors(type(kernel))
+    factors["instance"] = describe_argument(tuple(config))
+    return factors
 
 
 def describe_argument(arg: Any) -> str:
@@ -139,8 +156,11 @@ def describe_argument(arg: Any) -> str:
             if hasattr(arg, attr):
                 parts.append(f"{attr.lstrip('_')}={getattr(arg, attr)}")
         return f"Tensor<{','.join(parts)}>"
-    if kind.__name__ in ("_FakeStream", "FakeStream"):
+    if kind.__name__ in ("_FakeStream", "FakeStream", "CUstream"):
         return "stream"
+    if kind.__name__ == "_Pointer" and hasattr(arg, "memspace"):  # cute.runtime.make_ptr
+        align = getattr(arg, "_assumed_align", None)
+        return f"Pointer<dtype={arg.dtype.__name__},memspace={arg.memspace},align={align}>"
     if isinstance(arg, type):  # a dtype such as cutlass.Float16 passed as a constexpr
         return f"type:{arg.__module__}.{arg.__qualname__}"
     text = repr(arg)
@@ -263,8 +283,8 @@ class CuteDiskCache:
         from cutlass.cute.runtime import load_module
 
         start = time.perf_counter()
-        module = load_module(str(obj_path))
-        compiled = module[meta["prefix"]]
+        module = load_module(str(obj_path), enable_tvm_ffi=bool(meta.get("tvm_ffi")))
+        compiled = getattr(module, meta["prefix"])
         seconds = time.perf_counter() - start
         with self._guard:
             self._modules.append(module)
@@ -304,12 +324,19 @@ class CuteDiskCache:
         prefix = f"kc_{key[:24]}"
         try:
             tmp.mkdir(parents=True)
-            compiled.export_to_c(str(tmp), key, prefix)
+            tvm_ffi = "--enable-tvm-ffi" in factors["options"]
+            if tvm_ffi:  # the TVM-FFI calling convention is generated with the C export
+                compiled.export_to_c(str(tmp), key, prefix)
+            else:  # the object alone: a C header would need every argument to be C-typed
+                (tmp / f"{key}.o").write_bytes(compiled.dump_to_object(prefix))
             os.replace(tmp / f"{key}.o", obj_path)
-            meta = {"factors": factors, "prefix": prefix, "bytes": obj_path.stat().st_size}
+            size = obj_path.stat().st_size
+            meta = {"factors": factors, "prefix": prefix, "tvm_ffi": tvm_ffi, "bytes": size}
             (tmp / "meta").write_text(json.dumps(meta, sort_keys=True, indent=1))
             os.replace(tmp / "meta", meta_path)  # the commit marker, last
-        except OSError as exc:
+            with self._guard:
+                self.stats.persisted += 1
+        except Exception as exc:  # the DSL's export errors are not OSErrors
             log.warning("kernelcache: could not persist %s to %s: %s", key, self.root, exc)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

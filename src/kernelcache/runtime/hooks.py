@@ -282,6 +282,26 @@ def use_flashinfer_aot(aot_dir: Path) -> None:
     when_imported("flashinfer.jit.env", lambda env: setattr(env, "FLASHINFER_AOT_DIR", aot_dir))
 
 
+def refuse_flashinfer_cute_dsl_builds() -> None:
+    """Strict mode: a FlashInfer CuTe-DSL kernel (b12x) missing from the generation is refused.
+
+    FlashInfer looks for the kernel's ``.o`` first and calls ``JitSpecCuteDsl.build`` only on
+    a miss; the refusal names the kernel, which ``FLASHINFER_DISABLE_JIT``'s error does not.
+    """
+    when_imported("flashinfer.jit.cute_dsl_core", _refuse_cute_dsl_builds)
+
+
+def _refuse_cute_dsl_builds(module: ModuleType) -> None:
+    def build(spec: Any) -> None:
+        kernel = spec.name  # <module>/<kernel>
+        metrics.record_compile("flashinfer", kernel, None)
+        raise _cold_compile_error(
+            f"flashinfer: cold compile of {kernel} in strict mode (not in the generation)"
+        )
+
+    module.JitSpecCuteDsl.build = build
+
+
 class BuildLogTail:
     """Counts the module builds that FlashInfer logs to ``FLASHINFER_JIT_BUILD_LOG``.
 

@@ -17,12 +17,13 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kernelcache.errors import WarmError
+from kernelcache.spec import GpuClass
 from kernelcache.spec import Warmer as WarmerSpec
 from kernelcache.stamp import source_digest
 
@@ -78,9 +79,15 @@ class Warmer(ABC):
 
     type: ClassVar[str]
 
-    def __init__(self, config: WarmerSpec, spec_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: WarmerSpec,
+        spec_dir: Path | None = None,
+        gpu_classes: Sequence[GpuClass] = (),
+    ) -> None:
         self.config = config
         self.spec_dir = spec_dir
+        self.gpu_classes = list(gpu_classes)
 
     @property
     def label(self) -> str:
@@ -89,6 +96,14 @@ class Warmer(ABC):
     def sources(self) -> dict[str, str]:
         """Kernel-source digests this warmer depends on: stamp factors ``source/<name>``."""
         return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
+
+    def measured_factors(self) -> list[str]:
+        """Names of ``stamp.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
+        return []
+
+    def sm_counts(self, arch: str) -> list[int]:
+        """SM counts the artifacts are sized for (stamp factor ``gpu/sm_count``); none: any."""
+        return []
 
     @abstractmethod
     def run(self, files_dir: Path, arch: str) -> WarmerReport:
@@ -192,6 +207,7 @@ WARMERS = {
     "triton": "kernelcache.warm.triton:TritonWarmer",
     "torch-compile": "kernelcache.warm.torch_compile:TorchCompileWarmer",
     "flashinfer": "kernelcache.warm.flashinfer:FlashInferWarmer",
+    "b12x": "kernelcache.warm.b12x:B12xWarmer",
     "command": "kernelcache.warm.command:CommandWarmer",
 }
 
@@ -206,8 +222,10 @@ def warmer_class(kind: str) -> type[Warmer]:
     return cls
 
 
-def make_warmers(configs: list[WarmerSpec], spec_dir: Path | None = None) -> list[Warmer]:
-    return [warmer_class(c.type)(c, spec_dir) for c in configs]
+def make_warmers(
+    configs: list[WarmerSpec], spec_dir: Path | None = None, gpu_classes: Sequence[GpuClass] = ()
+) -> list[Warmer]:
+    return [warmer_class(c.type)(c, spec_dir, gpu_classes) for c in configs]
 
 
 def run_warmers(warmers: list[Warmer], files_dir: Path, arch: str) -> dict[str, Any]:
