@@ -1,24 +1,32 @@
 """Fault injection against kernelcache.store with real faults, no mocks: a publisher killed
-with SIGKILL at random points, a full filesystem, a file-size limit, two writers racing for
-one key, and a lock holder that dies. The store must always leave CURRENT naming a complete
-generation that verifies, and the next writer must clean up whatever a dead one left."""
+with SIGKILL at over 500 seeded random points (before a step of publishing, after a delay,
+and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a warm
+process killed while its warmer lives on, a full filesystem, a file-size limit, and a lock
+holder that dies. The store must always leave CURRENT naming a complete generation that
+verifies, and the next writer must clean up whatever a dead one left. Writers racing for a
+key: tests/test_concurrency.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import pytest
 
 from kernelcache.errors import ExitCode, LockedError, StorageError
-from kernelcache.store import MANIFEST_NAME, Store, verify
+from kernelcache.store import MANIFEST_NAME, FileEntry, Store, generation_id, verify
+from tests.conftest import subprocess_env, write_warmer_spec
+from tests.helpers.store_worker import PHASES
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 KEY = "faults/model/sm_90a"
@@ -52,8 +60,8 @@ def transient(key_dir: Path) -> list[str]:
     return sorted(n for n in os.listdir(key_dir) if n.startswith(TRANSIENT))
 
 
-def seed_generation(store: Store, size: int = 50_000) -> str:
-    with store.writer(KEY) as writer:
+def seed_generation(store: Store, size: int = 50_000, key: str = KEY) -> str:
+    with store.writer(key, timeout=5) as writer:  # the lock is free: fail, never hang
         staging = writer.staging()
         (staging / "triton").mkdir()
         (staging / "triton" / "seed.cubin").write_bytes(random.Random(0).randbytes(size))
@@ -70,39 +78,302 @@ def assert_current_intact(store: Store, expected: str | None = None) -> str:
     return gen_dir.name
 
 
-def assert_next_writer_cleans_up(store: Store) -> None:
-    with store.writer(KEY, timeout=5):
-        assert transient(store.key_dir(KEY)) == []
+def assert_next_writer_cleans_up(store: Store, key: str = KEY, where: str = "") -> None:
+    with store.writer(key, timeout=5):
+        assert transient(store.key_dir(key)) == [], where
 
 
 # --------------------------------------------------------------------------- kill -9
 
+KILL_SEED = 1234
+STEP_KILLS = 400  # the publisher SIGKILLs itself just before a seeded random step
+TIMED_KILLS = 150  # the test SIGKILLs it after a seeded random delay: lands mid-operation
+CLI_KILLS = 30  # SIGKILL to a `kernelcache warm` or `kernelcache build` process group
+# 580 kill points in all (the reliability target is at least 500).
+MAX_KILL_STEP = 270  # a publish cycle of store_worker.py takes about 90 steps
+MAX_KILL_DELAY = 0.1  # seconds: a few publish cycles
 
-def test_sigkill_at_random_points_never_exposes_a_partial_generation(tmp_path: Path) -> None:
-    rng = random.Random(1234)
+
+class Publishers:
+    """``store_worker.py serve``: one looping publisher forked per kill, imports paid once."""
+
+    def __init__(self, store: Store, tmp_path: Path) -> None:
+        self.trace = tmp_path / "trace"
+        self._stderr = tmp_path / "publishers.stderr"
+        with self._stderr.open("wb") as stderr:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "serve", str(store.root), KEY, str(self.trace)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        assert self._read() == "ready"
+
+    def run_until_killed(self, seed: str, kill_at: int = 0, delay: float = 0.0) -> str:
+        """Fork a publisher; kill_at > 0: it SIGKILLs itself before that step, else the test
+        SIGKILLs it after delay seconds. Returns the phase it died in."""
+        pid = int(self._ask(f"{seed} {kill_at}"))
+        if not kill_at:
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)  # a zombie until reaped: the pid is still this child's
+        status = int(self._ask("reap"))
+        if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+            pytest.fail(f"publisher {seed} ended by itself ({status}): {self._stderr_tail()}")
+        return self.trace.read_text().strip()
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+
+    def _ask(self, line: str) -> str:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(line + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> str:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            pytest.fail(f"store_worker.py serve exited: {self._stderr_tail()}")
+        return line.strip()
+
+    def _stderr_tail(self) -> str:
+        return self._stderr.read_text()[-2000:]
+
+
+@dataclass
+class KillTally:
+    """Where the kills landed, to show that they hit every part of a publish."""
+
+    phases: Counter[str] = field(default_factory=Counter)
+    currents: set[str] = field(default_factory=set)
+    with_leftovers: int = 0
+
+
+def assert_every_generation_verifies(store: Store, key: str, where: str) -> str:
+    """CURRENT names a generation that verifies, and so does every directory under a
+    generation id, CURRENT's or not: none is ever partial. Returns CURRENT's id."""
+    gen_dir = store.current(key)
+    assert gen_dir is not None, f"{where}: no CURRENT"
+    key_dir = store.key_dir(key)
+    generations = [p for p in key_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert gen_dir in generations, where
+    for path in generations:
+        result = verify(path)
+        assert result.ok, f"{where}: {result.problems}"
+    return gen_dir.name
+
+
+@pytest.fixture
+def publishers(tmp_path: Path) -> Iterator[tuple[Store, Publishers]]:
     store = Store(tmp_path / "store")
     seed_generation(store)  # so CURRENT must exist after every kill
-    key_dir = store.key_dir(KEY)
-    currents = set()
-    kills_with_leftovers = 0
+    workers = Publishers(store, tmp_path)
+    yield store, workers
+    workers.close()
 
-    for round_ in range(50):
-        proc = start_worker("loop", store.root, KEY, f"r{round_}")
-        wait_for(proc, b"ready\n")
-        time.sleep(rng.uniform(0, 0.3))
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-        kill9(proc)
 
-        currents.add(assert_current_intact(store))
-        for manifest in store.generations(KEY):  # every generation, not just CURRENT's
-            assert verify(key_dir / manifest.generation).ok
-        if transient(key_dir):
-            kills_with_leftovers += 1
-        assert_next_writer_cleans_up(store)
+def kill_publishers(
+    store: Store, workers: Publishers, kills: int, seed: int, kill_at_step: bool
+) -> KillTally:
+    """Kill a fresh publisher `kills` times, checking the store after each kill."""
+    rng = random.Random(seed)
+    tally = KillTally()
+    for round_ in range(kills):
+        if kill_at_step:
+            kill_at, delay = rng.randint(1, MAX_KILL_STEP), 0.0
+            where = f"seed {seed}, round {round_}: killed before step {kill_at}"
+        else:
+            kill_at, delay = 0, rng.uniform(0, MAX_KILL_DELAY)
+            where = f"seed {seed}, round {round_}: killed after {delay:.4f} s"
+        phase = workers.run_until_killed(f"r{round_}", kill_at, delay)
+        tally.phases[phase] += 1
+        tally.currents.add(assert_every_generation_verifies(store, KEY, f"{where} in {phase}"))
+        tally.with_leftovers += bool(transient(store.key_dir(KEY)))
+        # Every other time the leftovers are left to the next publisher, so that kills also
+        # land in its clean-up.
+        if round_ % 2 == 0:
+            assert_next_writer_cleans_up(store, where=where)
+    return tally
 
-    # The kills did land mid-publish, and publishes did complete between them.
-    assert kills_with_leftovers >= 10, kills_with_leftovers
-    assert len(currents) >= 10, len(currents)
+
+def test_sigkill_before_seeded_steps_never_exposes_a_partial_generation(
+    publishers: tuple[Store, Publishers],
+) -> None:
+    """Each publisher SIGKILLs itself just before a seeded random step of publishing (a file
+    written, digested or fsynced, a manifest, a rename, the CURRENT swap, a removal), so the
+    crash point of every round reproduces from the seed."""
+    tally = kill_publishers(*publishers, STEP_KILLS, KILL_SEED, kill_at_step=True)
+    assert set(tally.phases) == set(PHASES), tally
+    assert tally.with_leftovers >= STEP_KILLS // 10, tally
+    assert len(tally.currents) >= STEP_KILLS // 10, tally
+
+
+def test_sigkill_after_seeded_delays_never_exposes_a_partial_generation(
+    publishers: tuple[Store, Publishers],
+) -> None:
+    """Kills from outside, after a seeded random delay: these land inside a write, an fsync
+    or a tree removal, where a kill before a step cannot."""
+    tally = kill_publishers(*publishers, TIMED_KILLS, KILL_SEED + 1, kill_at_step=False)
+    assert len(tally.phases) >= 3, tally
+    assert tally.with_leftovers >= TIMED_KILLS // 10, tally
+    assert len(tally.currents) >= TIMED_KILLS // 10, tally
+
+
+# A `command` warmer: says it started, then writes 2 MB derived from ROUND_SEED.
+WARM_SCRIPT = """
+import os, pathlib, random
+pathlib.Path(os.environ["WARM_STARTED"]).touch()
+rng = random.Random(os.environ["ROUND_SEED"])
+for i in range(8):
+    pathlib.Path(os.environ["TRITON_CACHE_DIR"], f"k{i}.bin").write_bytes(rng.randbytes(250_000))
+"""
+
+
+def warmed_generation_id(stamp_digest: str, seed: str) -> str:
+    """The id WARM_SCRIPT's files for seed get under stamp_digest."""
+    rng = random.Random(seed)
+    entries = []
+    for i in range(8):
+        data = rng.randbytes(250_000)
+        digest = "blake3:" + blake3.blake3(data).hexdigest()
+        entries.append(FileEntry(f"triton/k{i}.bin", len(data), digest))
+    return generation_id(stamp_digest, entries)
+
+
+def start_cli(command: str, spec: Path, store: Store, seed: str, started: Path) -> subprocess.Popen:
+    """The real CLI in its own process group, as a Job's container runs it."""
+    started.unlink(missing_ok=True)
+    args = [command, "-f", str(spec), "--store", str(store.root), "--arch", "sm_90a", "--force"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "kernelcache", *args],
+        env=subprocess_env(ROUND_SEED=seed, WARM_STARTED=str(started)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def wait_until_warming(proc: subprocess.Popen, started: Path) -> float:
+    """Block until the warmer runs (the CLI then holds the key's lock); returns that moment."""
+    while not started.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"exited with {proc.returncode} before warming: {proc.stderr.read()}")
+        time.sleep(0.002)
+    return time.monotonic()
+
+
+def test_sigkill_of_the_warm_and_build_commands_keeps_a_verified_current(tmp_path: Path) -> None:
+    """SIGKILL to the whole process group of ``kernelcache warm`` or ``kernelcache build``
+    (as a Job's container is killed, warmer included) at a seeded random moment from the
+    warmer's start to a little past the end. CURRENT stays the previous generation or is
+    the new one, complete: never anything else."""
+    spec = write_warmer_spec(
+        tmp_path, {"type": "command", "command": [sys.executable, "-c", WARM_SCRIPT]}
+    )
+    store, key = Store(tmp_path / "store"), "default/kc/sm_90a"
+    started = tmp_path / "warming"
+    first = start_cli("warm", spec, store, "first", started)
+    since = wait_until_warming(first, started)
+    while not (store.key_dir(key) / "CURRENT").exists() and first.poll() is None:
+        time.sleep(0.001)
+    span = time.monotonic() - since  # from the warmer's start to the CURRENT swap
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    previous = assert_every_generation_verifies(store, key, "first run")
+    stamp_digest = store.current_manifest(key).stamp["digest"]
+
+    rng = random.Random(KILL_SEED + 2)
+    outcomes: Counter[str] = Counter()
+    for round_ in range(CLI_KILLS):
+        command = ("warm", "build")[round_ % 2]
+        fraction = rng.uniform(0, 1.5)
+        where = f"seed {KILL_SEED + 2}, round {round_}: {command} killed {fraction:.3f} spans in"
+        proc = start_cli(command, spec, store, f"r{round_}", started)
+        wait_until_warming(proc, started)
+        time.sleep(fraction * span)
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (0, -signal.SIGKILL), f"{where}: {err}"
+
+        current = assert_every_generation_verifies(store, key, where)
+        new = warmed_generation_id(stamp_digest, f"r{round_}")
+        assert current in (previous, new), where
+        if proc.returncode == 0:
+            outcome = "finished"
+        else:
+            outcome = "killed after the swap" if current == new else "killed before the swap"
+        outcomes[outcome] += 1
+        outcomes["left leftovers"] += bool(transient(store.key_dir(key)))
+        assert_next_writer_cleans_up(store, key, where)
+        previous = current
+
+    assert outcomes["killed before the swap"] >= CLI_KILLS // 5, outcomes
+    assert outcomes["left leftovers"] >= CLI_KILLS // 5, outcomes
+
+
+# A `command` warmer that writes on and on, re-creating its directory as cache managers do;
+# it names its pid once it has written a thousand files.
+ENDLESS_WARMER = """
+import os, pathlib
+out = pathlib.Path(os.environ["TRITON_CACHE_DIR"], "kernels")
+started = pathlib.Path(os.environ["WARM_STARTED"])
+for i in range(10**9):
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"k{i}.bin").write_bytes(b"k" * 100)
+    except FileNotFoundError:
+        pass
+    if i == 1000:
+        started.with_suffix(".tmp").write_text(str(os.getpid()))
+        started.with_suffix(".tmp").rename(started)
+"""
+
+
+def wait_until_dead(pid: int) -> None:
+    """Until pid runs no more code (exited, or a zombie that nothing reaped yet)."""
+    stat = Path(f"/proc/{pid}/stat")
+    while True:
+        try:
+            state = stat.read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+
+
+def test_a_warm_process_killed_alone_does_not_block_the_next_writer(tmp_path: Path) -> None:
+    """SIGKILL to the `kernelcache warm` process only: its command warmer lives on as an
+    orphan, still writing into the dead writer's staging directory, which the next writer
+    then cannot remove. That writer must publish all the same; one after the orphan is gone
+    removes what is left."""
+    spec = write_warmer_spec(
+        tmp_path, {"type": "command", "command": [sys.executable, "-c", ENDLESS_WARMER]}
+    )
+    store, key = Store(tmp_path / "store"), "default/kc/sm_90a"
+    started = tmp_path / "warming"
+    proc = start_cli("warm", spec, store, "orphaned", started)
+    try:
+        wait_until_warming(proc, started)
+        orphan = int(started.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)  # not communicate(): the orphan holds its stderr open
+        assert transient(store.key_dir(key)) != []
+
+        generation = seed_generation(store, key=key)
+
+        assert assert_every_generation_verifies(store, key, "after the kill") == generation
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphan kept the process group
+        proc.communicate(timeout=60)
+    wait_until_dead(orphan)
+    assert_next_writer_cleans_up(store, key)
 
 
 # --------------------------------------------------------------------------- full disk
@@ -210,30 +481,7 @@ def test_file_size_limit_fails_cleanly(tmp_path: Path) -> None:
     assert_next_writer_cleans_up(store)
 
 
-# --------------------------------------------------------------------------- concurrency
-
-
-def test_two_writers_racing_for_a_key_serialise(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store")
-    for round_ in range(3):
-        go = tmp_path / f"go-{round_}"
-        procs = [start_worker("once", store.root, KEY, f"{round_}-{w}", go) for w in "ab"]
-        for proc in procs:
-            wait_for(proc, b"ready\n")
-        go.touch()
-        runs = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, err.decode()
-            runs.append(json.loads(out))
-
-        first, second = sorted(runs, key=lambda r: r["acquired"])
-        assert first["released"] <= second["acquired"], "both writers held the lock at once"
-        assert first["generation"] != second["generation"]
-        assert assert_current_intact(store) == second["generation"]
-        for run in runs:
-            assert verify(store.key_dir(KEY) / run["generation"]).ok
-        assert transient(store.key_dir(KEY)) == []
+# --------------------------------------------------------------------------- the writer lock
 
 
 def test_lock_timeout_names_the_holder_and_readers_go_on(tmp_path: Path) -> None:

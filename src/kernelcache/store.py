@@ -1220,15 +1220,23 @@ def _holder(fd: int) -> str:
 
 
 def _remove_transient(key_dir: Path) -> None:
-    """Remove what writers that died left behind; only a lock holder may call this."""
+    """Remove what writers that died left behind; only a lock holder may call this.
+
+    Best effort: a dead writer's warmer can outlive it and go on writing into its staging
+    directory, which then cannot be removed yet. Under its hidden name it is in no one's way,
+    and the next writer tries again.
+    """
     with io_errors(key_dir):
-        for entry in os.scandir(key_dir):
-            if entry.name.startswith(_TRANSIENT_PREFIXES):
-                log.info("removing leftover %s", entry.path)
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
+        entries = [e for e in os.scandir(key_dir) if e.name.startswith(_TRANSIENT_PREFIXES)]
+    for entry in entries:
+        log.info("removing leftover %s", entry.path)
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError as exc:
+            log.warning("could not remove leftover %s yet: %s", entry.path, exc)
 
 
 def _trash(key_dir: Path, path: Path) -> None:
