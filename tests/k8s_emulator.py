@@ -237,10 +237,10 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         if request.action == action.CREATE:
             body = copy.deepcopy(request.data)
             meta = body.setdefault("metadata", {})
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             if request.namespace:
                 meta["namespace"] = request.namespace
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = self._generated_name(request, meta)
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=now, generation=1)
             meta["resourceVersion"] = self._next_revision()
             key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
@@ -257,6 +257,15 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         new = self._updated(request, current)
         self._declare_if_crd(request, new)
         return [{"op": "replace", "path": "", "value": new}]
+
+    def _generated_name(self, request: Request, meta: dict[str, Any]) -> str:
+        """``generateName`` plus 5 random characters, drawn again while the name is taken (as
+        the API server retries since Kubernetes 1.32), so thousands of Events do not collide."""
+        while True:
+            name = meta["generateName"] + uuid.uuid4().hex[:5]
+            key = (request.resource, meta.get("namespace"), name)
+            if key not in self._objects or self._objects[key].deleted:
+                return str(name)
 
     def _declare_if_crd(self, request: Request, obj: dict[str, Any]) -> None:
         """A CustomResourceDefinition written through the API serves its resource, as declared."""

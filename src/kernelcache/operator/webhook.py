@@ -38,7 +38,8 @@ Pod annotations:
   all of ``spec.containers`` (list them when the pod has sidecars in other images).
 
 Injection happens on CREATE only (a pod's containers cannot change afterwards) and once: a
-pod that already has the ``kernelcache`` init-container gets an empty patch.
+pod that already has the ``kernelcache`` init-container gets an empty patch. A pod that
+mounts the cache's claim writable itself is refused: only the compile Job writes the cache.
 """
 
 from __future__ import annotations
@@ -167,6 +168,27 @@ def _check_images(
             warnings.append(f"{message}; admitted because {ANNOTATION_IMAGE_POLICY} is warn")
 
 
+def _check_cache_read_only(pod: dict[str, Any], kc: KernelCache, where: str) -> None:
+    """Refuse a pod that mounts the cache's claim writable itself: only the compile Job may
+    write the cache, which every serving pod of the KernelCache runs code from."""
+    spec = pod.get("spec") or {}
+    claim = claim_name(kc)
+    writable_volumes = {
+        v.get("name")
+        for v in spec.get("volumes") or []
+        if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
+        and not v["persistentVolumeClaim"].get("readOnly")
+    }
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        for mount in container.get("volumeMounts") or []:
+            if mount.get("name") in writable_volumes and not mount.get("readOnly"):
+                raise Denied(
+                    f"pod {where}: container {container.get('name')!r} mounts claim {claim!r}, "
+                    f"the cache of KernelCache {kc.metadata.namespace}/{kc.metadata.name}, "
+                    "writable; only its compile Job may write it (mount it readOnly)"
+                )
+
+
 def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
     """``kernelcache verify`` for this KernelCache: fails closed, so the pod does not start."""
     args = [
@@ -261,9 +283,10 @@ def mutate_pod(
 
     Empty for a pod without the label, one already injected, or any operation but CREATE.
     Raises ``Denied`` when the KernelCache does not exist or is invalid, when a serving
-    container's image differs from ``spec.engine.image`` under the deny image policy, or when
-    a name the injection needs is already taken in the pod. Image warnings (warn policy) are
-    appended to ``warnings``.
+    container's image differs from ``spec.engine.image`` under the deny image policy, when a
+    container of the pod mounts the cache's claim writable, or when a name the injection
+    needs is already taken in the pod. Image warnings (warn policy) are appended to
+    ``warnings``.
     """
     name = cache_name(pod)
     if operation != "CREATE" or name is None or injected(pod):
@@ -286,6 +309,7 @@ def mutate_pod(
     spec = pod.get("spec") or {}
     serving = _serving(pod, where)
     _check_images(pod, serving, kc, where, warnings)
+    _check_cache_read_only(pod, kc, where)
     new_volumes = volumes(kc)
     taken = {v.get("name") for v in spec.get("volumes") or []} & {v["name"] for v in new_volumes}
     if taken:
