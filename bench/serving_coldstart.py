@@ -1,7 +1,7 @@
 """Serving cold start: fresh processes with and without a warmed generation, per toolchain.
 
 For a CuTe-DSL GEMM, a Triton matmul autotuned over 8 configs and a torch.compile
-max-autotune MLP, each on a GPU:
+max-autotune transformer block, each on a GPU:
 
 1. ``kernelcache warm`` builds a generation with that toolchain's warmer and
    ``kernelcache verify --materialize`` copies it out, as the init-container would;
@@ -44,7 +44,15 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "torch-compile": {
         "entry": "torch_models:warm",
-        "workload": {"batch_sizes": [64], "features": 1024, "hidden": 4096, "dtype": "bfloat16"},
+        "workload": {
+            "model": "block",
+            "batch_sizes": [8],
+            "seq": 512,
+            "features": 1024,
+            "hidden": 4096,
+            "heads": 8,
+            "dtype": "bfloat16",
+        },
     },
 }
 TARGETS = {"cute-dsl": 100.0, "triton": 10.0, "torch-compile": 8.0}
@@ -206,8 +214,10 @@ def cute_first_call(workload: dict[str, Any]) -> Call:
 def triton_first_call(workload: dict[str, Any]) -> Call:
     """The autotuned matmul's first call: tune (or read the saved choice), compile or load."""
     import torch
+    import triton
     import triton_kernels
 
+    triton.runtime.driver.active.get_current_target()  # Triton's CUDA driver up, as CUDA is
     ((m, n, k),) = workload["shapes"]
     dtype = triton_kernels.DTYPES[workload["dtypes"][0]]
     a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -220,21 +230,17 @@ def triton_first_call(workload: dict[str, Any]) -> Call:
 
 
 def torch_first_call(workload: dict[str, Any]) -> Call:
-    """torch.compile max-autotune of the MLP and its first call."""
+    """torch.compile max-autotune of a transformer block and its first call."""
     import torch
     import torch_models
 
-    dtype = torch_models.DTYPES[workload["dtype"]]
-    torch.manual_seed(0)
-    model = torch_models.MLP(workload["features"], workload["hidden"])
-    model = model.to(device="cuda", dtype=dtype).eval()
+    model, dtype = torch_models.model_for(workload, "cuda")
     (batch,) = workload["batch_sizes"]
-    x = torch.randn(batch, workload["features"], device="cuda", dtype=dtype)
+    x = torch_models.input_for(workload, batch, "cuda")
 
     def call() -> Any:
-        compiled = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False)
         with torch.no_grad():
-            return compiled(x)
+            return torch_models.compile_model(model, "cuda")(x)
 
     def check(result: Any) -> None:
         with torch.no_grad():

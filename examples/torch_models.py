@@ -1,4 +1,7 @@
-"""Example torch.compile model: a small MLP, warmed ahead of time by the torch-compile warmer.
+"""Example torch.compile models, warmed ahead of time by the torch-compile warmer.
+
+A small MLP (the default) or, with ``"model": "block"`` in the workload, a pre-norm transformer
+block (attention and MLP: four GEMM shapes).
 
 On a GPU the MLP is compiled with ``mode="max-autotune-no-cudagraphs"``, where inductor
 benchmarks Triton GEMM templates against cuBLAS (10-17.6 s cold on an H200, 1.0-1.5 s from
@@ -47,23 +50,65 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def warm(workload: Mapping[str, Any]) -> list[str]:
-    """The warm-up entry point: compile and run the MLP per batch size, checked against eager."""
-    device = workload.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = workload.get("dtype", "float32")
-    dtype = DTYPES[dtype_name]
+class Block(nn.Module):
+    """A pre-norm transformer block: four GEMM shapes for max-autotune to tune, as in a model."""
+
+    def __init__(self, features: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(features), nn.LayerNorm(features)
+        self.qkv = nn.Linear(features, 3 * features)
+        self.out = nn.Linear(features, features)
+        self.mlp = MLP(features, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, features = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, -1).unbind(2)
+        attn = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        x = x + self.out(attn.transpose(1, 2).reshape(batch, seq, features))
+        return x + self.mlp(self.norm2(x))
+
+
+def model_for(workload: Mapping[str, Any], device: str) -> tuple[nn.Module, torch.dtype]:
+    """The workload's model (``model``: ``mlp``, the default, or ``block``), seeded."""
+    dtype = DTYPES[workload.get("dtype", "float32")]
     features, hidden = workload.get("features", 64), workload.get("hidden", 256)
     torch.manual_seed(0)
-    model = MLP(features, hidden).to(device=device, dtype=dtype).eval()
-    mode = "max-autotune-no-cudagraphs" if device == "cuda" else None
+    if workload.get("model", "mlp") == "block":
+        model: nn.Module = Block(features, hidden, workload.get("heads", 8))
+    else:
+        model = MLP(features, hidden)
+    return model.to(device=device, dtype=dtype).eval(), dtype
+
+
+def input_for(workload: Mapping[str, Any], batch: int, device: str) -> torch.Tensor:
+    """``(batch, features)`` for the MLP, ``(batch, seq, features)`` for the block."""
+    dtype = DTYPES[workload.get("dtype", "float32")]
+    shape = [batch, workload.get("features", 64)]
+    if workload.get("model", "mlp") == "block":
+        shape.insert(1, workload.get("seq", 128))
+    return torch.randn(*shape, device=device, dtype=dtype)
+
+
+def compile_model(model: nn.Module, device: str) -> Any:
     # dynamic=False: one graph per batch size, as the workload lists them.
-    compiled = torch.compile(model, mode=mode, dynamic=False)
+    mode = "max-autotune-no-cudagraphs" if device == "cuda" else None
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
+def warm(workload: Mapping[str, Any]) -> list[str]:
+    """The warm-up entry point: compile and run the model per batch size, checked against eager."""
+    device = workload.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, dtype = model_for(workload, device)
+    compiled = compile_model(model, device)
     names = []
+    label = f"{workload.get('model', 'mlp')}[{workload.get('dtype', 'float32')},"
+    label += f"{workload.get('features', 64)}x{workload.get('hidden', 256)}"
     with torch.no_grad():
         for batch in workload.get("batch_sizes", [8]):
-            x = torch.randn(batch, features, device=device, dtype=dtype)
+            x = input_for(workload, batch, device)
             torch.testing.assert_close(compiled(x), model(x), **TOLERANCE[dtype])
-            names.append(f"mlp[{dtype_name},{features}x{hidden},batch={batch}]")
+            names.append(f"{label},batch={batch}]")
     return names
 
 
