@@ -165,13 +165,7 @@ def child(toolchain: str) -> None:
     torch.cuda.synchronize()
     done = time.perf_counter()
     check(result)
-    counted = {
-        (sample.labels["toolchain"], sample.labels["kernel"]): sample.value
-        for family in metrics.REGISTRY.collect()
-        if family.name == "kernelcache_cold_compiles"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
+    counted = metrics.cold_compiles()
     print(
         json.dumps(
             {

@@ -31,11 +31,10 @@ def main(workload_json: str, sm_count: int) -> None:
     from kernelcache.warm.flashinfer import parse_build_log
 
     workload = B12xWorkload.model_validate(json.loads(workload_json))
-    dispatch, direct, b12x_moe = b12x._modules()
-    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import triton_compact
-
+    dispatch, _, _ = b12x._modules()
     loaded: list[dict[str, Any]] = []
     real_lookup = dispatch.build_and_load_cute_dsl_kernel
+    real_direct = dispatch.compile_direct_micro_kernel
 
     def lookup(module: str, name: str, compile_fn: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -47,40 +46,21 @@ def main(workload_json: str, sm_count: int) -> None:
         real_direct(kernel, **kwargs)  # cute.compile: the runtime's disk layer
         return b12x._NoKernel()
 
-    real_direct = dispatch.compile_direct_micro_kernel
     target = b12x.Target(os.environ["CUTE_DSL_ARCH"], sm_count, sm_count)
-    wrapper = b12x_moe.B12xMoEWrapper(
-        num_experts=workload.experts,
-        top_k=workload.top_k,
-        hidden_size=workload.hidden_size,
-        intermediate_size=workload.intermediate_per_slice,
-        use_cuda_graph=True,
-        max_num_tokens=workload.max_num_tokens,
-        device="cpu",
-        activation=workload.activation,
-        quant_mode=workload.quantization,
-    )
+    wrapper = b12x.wrapper_for(workload)
     with (
         b12x.answered_for(target),
         b12x.patched(
             dispatch,
             build_and_load_cute_dsl_kernel=lookup,
             compile_direct_micro_kernel=direct_micro,
-            compiled_direct_micro_accepts_block_dim=lambda compiled, block_dim: True,
         ),
-        b12x.patched(triton_compact, compact_topk_ids=lambda *a, **k: None),
-        b12x.patched(direct.MoEDirectMicroKernel, launch=staticmethod(b12x._NoKernel())),
+        b12x.without_launches(),
     ):
         for m in sorted(set(workload.batch_sizes)):
             wrapper.run(**b12x.operands(workload, m))
     builds = parse_build_log(os.environ["FLASHINFER_JIT_BUILD_LOG"], pid=os.getpid())
-    compiles = {
-        f"{s.labels['toolchain']}:{s.labels['kernel']}": s.value
-        for family in metrics.REGISTRY.collect()
-        if family.name == "kernelcache_cold_compiles"
-        for s in family.samples
-        if s.name.endswith("_total")
-    }
+    compiles = {f"{tc}:{kernel}": n for (tc, kernel), n in metrics.cold_compiles().items()}
     hits = sum(
         s.value
         for family in metrics.REGISTRY.collect()

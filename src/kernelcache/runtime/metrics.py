@@ -105,6 +105,17 @@ def set_generation(name: str, arch: str, generation: str, stamp: str, mismatch: 
     STAMP_MISMATCH.set(1 if mismatch else 0)
 
 
+def cold_compiles() -> dict[tuple[str, str], float]:
+    """``kernelcache_cold_compiles_total`` of this process by (toolchain, kernel)."""
+    return {
+        (sample.labels["toolchain"], sample.labels["kernel"]): sample.value
+        for family in REGISTRY.collect()
+        if family.name == "kernelcache_cold_compiles"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
 def render() -> bytes:
     """The text exposition of every series, as a scrape would read it."""
     return generate_latest(REGISTRY)

@@ -273,8 +273,7 @@ class _NoKernel:
 
 def record(workload: B12xWorkload, target: Target) -> dict[str, Recorded]:
     """The kernels the wrapper builds for each batch size, by name, without compiling any."""
-    dispatch, direct, b12x_moe = _modules()
-    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import triton_compact
+    dispatch, _, _ = _modules()
     from flashinfer.jit._cute_dsl_source import _hash_source_files
     from flashinfer.jit.cute_dsl_core import JitSpecCuteDsl
 
@@ -301,7 +300,27 @@ def record(workload: B12xWorkload, target: Target) -> dict[str, Recorded]:
         )
         return _NoKernel()
 
-    wrapper = b12x_moe.B12xMoEWrapper(
+    wrapper = wrapper_for(workload)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(dispatch, **fresh_memos(dispatch)))
+        stack.enter_context(
+            patched(
+                dispatch,
+                build_and_load_cute_dsl_kernel=persisted,
+                compile_direct_micro_kernel=direct_micro,
+            )
+        )
+        stack.enter_context(without_launches())
+        for m in sorted(set(workload.batch_sizes)):
+            wrapper.run(**operands(workload, m))
+    return kernels
+
+
+def wrapper_for(workload: B12xWorkload) -> Any:
+    """FlashInfer's MoE wrapper as vLLM builds it: CUDA-graph workspaces sized once, which
+    makes the kernel chosen for each batch size deterministic. CPU tensors: never launched."""
+    _, _, b12x_moe = _modules()
+    return b12x_moe.B12xMoEWrapper(
         num_experts=workload.experts,
         top_k=workload.top_k,
         hidden_size=workload.hidden_size,
@@ -313,21 +332,21 @@ def record(workload: B12xWorkload, target: Target) -> dict[str, Recorded]:
         activation=workload.activation,
         quant_mode=workload.quantization,
     )
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(dispatch, **fresh_memos(dispatch)))
-        stack.enter_context(
-            patched(
-                dispatch,
-                build_and_load_cute_dsl_kernel=persisted,
-                compile_direct_micro_kernel=direct_micro,
-                compiled_direct_micro_accepts_block_dim=lambda compiled, block_dim: True,
-            )
-        )
-        stack.enter_context(patched(triton_compact, compact_topk_ids=lambda *a, **k: None))
-        stack.enter_context(patched(direct.MoEDirectMicroKernel, launch=staticmethod(_NoKernel())))
-        for m in sorted(set(workload.batch_sizes)):
-            wrapper.run(**operands(workload, m))
-    return kernels
+
+
+@contextlib.contextmanager
+def without_launches() -> Iterator[None]:
+    """Stand-ins for what only the GPU can do: launches, the Triton compaction around them and
+    the direct-micro kernel's register probe (which then always accepts)."""
+    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import triton_compact
+
+    dispatch, direct, _ = _modules()
+    with (
+        patched(dispatch, compiled_direct_micro_accepts_block_dim=lambda compiled, dim: True),
+        patched(triton_compact, compact_topk_ids=lambda *a, **k: None),
+        patched(direct.MoEDirectMicroKernel, launch=staticmethod(_NoKernel())),
+    ):
+        yield
 
 
 def fresh_memos(module: ModuleType) -> dict[str, dict[Any, Any]]:
