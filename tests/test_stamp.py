@@ -617,3 +617,12 @@ def test_import_and_collect_load_no_torch_cuda_or_dsl(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_sm_count_comes_from_the_environment_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KERNELCACHE_SM_COUNT", "188")
+    assert stamp.detect_sm_count() == 188
+    for bad in ("0", "-4", "many", "1.5"):
+        monkeypatch.setenv("KERNELCACHE_SM_COUNT", bad)
+        with pytest.raises(SpecError, match=f"KERNELCACHE_SM_COUNT='{re.escape(bad)}' is not"):
+            stamp.detect_sm_count()

@@ -20,7 +20,6 @@ reads) and are never imported.
 from __future__ import annotations
 
 import csv
-import ctypes
 import hashlib
 import importlib.machinery
 import importlib.metadata
@@ -423,13 +422,13 @@ def _nvidia_smi(query: str) -> list[str]:
 
 SM_COUNT_FACTOR = "gpu/sm_count"
 SM_COUNT_ENV = "KERNELCACHE_SM_COUNT"
-_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 
 
 def detect_sm_count() -> int | None:
     """This node's GPU SM count: ``KERNELCACHE_SM_COUNT``, else the CUDA driver; None without.
 
-    The driver is asked through its C API (no torch): ``cuInit`` and one attribute query.
+    The driver is asked in a child process: ``cuInit`` in this one would break CUDA in any
+    process it forks later (a serving engine's workers), and torch would not know.
     """
     value = os.environ.get(SM_COUNT_ENV)
     if value:
@@ -437,16 +436,32 @@ def detect_sm_count() -> int | None:
             raise SpecError(f"{SM_COUNT_ENV}={value!r} is not a positive SM count")
         return int(value)
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        proc = subprocess.run(
+            [sys.executable, "-c", _DRIVER_SM_COUNT],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    device, count = ctypes.c_int(), ctypes.c_int()
-    if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
-        return None
-    attribute = _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    if driver.cuDeviceGetAttribute(ctypes.byref(count), attribute, device):
-        return None
-    return count.value
+    answer = proc.stdout.strip()
+    return int(answer) if proc.returncode == 0 and answer.isdigit() else None
+
+
+# The first GPU's CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (16) from the driver's C API.
+_DRIVER_SM_COUNT = """
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+device, count = ctypes.c_int(), ctypes.c_int()
+if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0):
+    sys.exit(1)
+if cuda.cuDeviceGetAttribute(ctypes.byref(count), 16, device):
+    sys.exit(1)
+print(count.value)
+"""
 
 
 def flashinfer_cute_dsl_fingerprint() -> str:
