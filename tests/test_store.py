@@ -10,6 +10,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,28 @@ def test_tampered_factor_with_old_signature_fails(store: Store, tmp_path: Path) 
     assert "does not match" in result.problems[0].message
     with pytest.raises(SignatureError):
         result.raise_for_problems()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda sig: sig[:-1],  # the newline cut off
+        lambda sig: sig[:-1] + b"\x0b",  # the newline turned into another whitespace
+        lambda sig: sig + b" ",
+        lambda sig: sig[:-2] + bytes([sig[-2] ^ 1]) + b"\n",  # the last character's spare bit
+    ],
+    ids=["no-newline", "vertical-tab", "trailing-space", "spare-bit"],
+)
+def test_a_signature_file_changed_in_any_byte_is_refused(
+    store: Store, tmp_path: Path, edit: Callable[[bytes], bytes]
+) -> None:
+    """Edits that still decode to the same signature: the file is not as it was written."""
+    priv, pub = generate_keypair(tmp_path / "keys")
+    publish(store, random_files(1), signing_key=priv)
+    sig_path = store.current(KEY) / SIGNATURE_NAME
+    sig_path.write_bytes(edit(sig_path.read_bytes()))
+    result = verify(store.current(KEY), public_key=pub)
+    assert [p.code for p in result.problems] == [ExitCode.SIGNATURE], result.problems
 
 
 def test_missing_signature_when_required(store: Store, tmp_path: Path) -> None:
@@ -542,13 +565,47 @@ def test_verify_manifest_problems(store: Store, tmp_path: Path) -> None:
     manifest_path.write_bytes(data[:100])
     assert only_problem(gen_dir)[0] == ExitCode.MALFORMED_MANIFEST
 
-    # A listed size or digest edited to match a tampered file is caught by the content id.
+    # Any edit of the manifest is caught by its checksum ...
     edited = json.loads(data)
+    edited["report"]["note"] = "edited"
+    manifest_path.write_bytes(json.dumps(edited).encode())
+    assert only_problem(gen_dir) == (
+        ExitCode.MALFORMED_MANIFEST,
+        str(manifest_path),
+        f"{manifest_path}: checksum mismatch: the manifest changed after it was written",
+    )
+    # ... and, with the checksum gone too, a listed size or digest edited to match a tampered
+    # file is still caught by the content id.
+    edited = json.loads(data)
+    del edited["checksum"]
     edited["files"][0]["size"] += 1
     manifest_path.write_bytes(json.dumps(edited).encode())
     codes = [p.code for p in verify(gen_dir).problems]
     assert codes[0] == ExitCode.INTEGRITY
     assert "does not match its content" in verify(gen_dir).problems[0].message
+
+
+MANIFEST_FLIPS = 1000
+
+
+def test_any_bit_flipped_in_an_unsigned_manifest_is_detected(store: Store) -> None:
+    """Stamp factors, the warm report and the creation time are outside the generation id;
+    the manifest's checksum covers them, so no flip anywhere in it goes unseen."""
+    publish(store, {"cute/def/gemm.o": b"o" * 100})
+    manifest_path = store.current(KEY) / MANIFEST_NAME
+    data = manifest_path.read_bytes()
+    rng = random.Random(20261130)
+    missed = []
+    for _ in range(MANIFEST_FLIPS):
+        offset, bit = rng.randrange(len(data)), rng.randrange(8)
+        flipped = bytearray(data)
+        flipped[offset] ^= 1 << bit
+        manifest_path.write_bytes(bytes(flipped))
+        if verify(store.current(KEY), digests=False).ok:
+            missed.append((offset, bit))
+    manifest_path.write_bytes(data)
+    assert verify(store.current(KEY)).ok
+    assert missed == [], f"undetected flips (offset, bit), seed 20261130: {missed[:10]}"
 
 
 def test_raise_for_problems_counts_the_rest(store: Store) -> None:

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
@@ -434,6 +434,8 @@ class _ManifestModel(BaseModel):
     stamp: dict[str, Any]
     files: list[_FileModel]
     report: dict[str, Any]
+    # Absent only in manifests written before it existed.
+    checksum: str | None = Field(default=None, pattern=r"^blake3:[0-9a-f]{64}$")
 
     @field_validator("format")
     @classmethod
@@ -490,6 +492,7 @@ class Manifest:
     stamp: dict[str, Any]
     files: tuple[FileEntry, ...]
     report: dict[str, Any]
+    checksum: str | None = field(default=None, compare=False)  # as read; written by to_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -515,7 +518,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Canonical bytes: the same manifest always serialises (and signs) identically."""
-        text = json.dumps(self.to_dict(), sort_keys=True, indent=1, allow_nan=False)
+        body = self.to_dict()
+        body["checksum"] = manifest_checksum(body)
+        text = json.dumps(body, sort_keys=True, indent=1, allow_nan=False)
         return (text + "\n").encode("ascii")
 
     @classmethod
@@ -523,7 +528,20 @@ class Manifest:
         """Parse strictly; every error is one line naming source and the field at fault."""
         manifest = _parse_schema(data, source)
         _check_paths(manifest, source)
+        if (problem := _checksum_problem(manifest)) is not None:
+            raise ManifestError(f"{source}: {problem}", path=source)
         return manifest
+
+
+def manifest_checksum(body: dict[str, Any]) -> str:
+    """A digest of everything else in a manifest.
+
+    The generation id covers only the stamp's digest and the file list (it must stay the
+    same for the same content); this covers the stamp's factors, the warm report and the
+    creation time too, so a flipped bit anywhere in an unsigned manifest is found.
+    """
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "blake3:" + blake3.blake3(text.encode("ascii")).hexdigest()
 
 
 def _parse_schema(data: bytes, source: str) -> Manifest:
@@ -576,6 +594,7 @@ def _parse_schema(data: bytes, source: str) -> Manifest:
             FileEntry(f.path, f.size, f.digest) for f in sorted(model.files, key=lambda f: f.path)
         ),
         report=model.report,
+        checksum=model.checksum,
     )
 
 
@@ -590,6 +609,12 @@ def _validation_message(exc: ValidationError, source: str) -> str:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more)"
     return message
+
+
+def _checksum_problem(manifest: Manifest) -> str | None:
+    if manifest.checksum is None or manifest.checksum == manifest_checksum(manifest.to_dict()):
+        return None
+    return "checksum mismatch: the manifest changed after it was written"
 
 
 def _check_paths(manifest: Manifest, source: str) -> None:
@@ -806,16 +831,20 @@ def _verify_into(
         return
     result.manifest = manifest
 
+    signature_problem = None
     if public_key is not None or require_signature:
-        problem = _signature_problem(gen_dir, data, public_key)
-        if problem is not None:
-            problems.append(problem)
+        signature_problem = _signature_problem(gen_dir, data, public_key)
+        if signature_problem is not None:
+            problems.append(signature_problem)
 
     try:
         _check_paths(manifest, str(manifest_path))
     except UnsafePathError as exc:
         problems.append(Problem(exc.code, exc.path, exc.message))
         return  # touch no file a manifest path could lead outside the generation
+    if signature_problem is None and (altered := _checksum_problem(manifest)) is not None:
+        add(ExitCode.MALFORMED_MANIFEST, manifest_path, altered)
+        return  # its file list is not to be trusted either
     content_id = generation_id(manifest.stamp["digest"], manifest.files)
     if content_id != manifest.generation:
         add(
@@ -911,9 +940,11 @@ def _signature_problem(
     except (OSError, UnsafePathError) as exc:
         return problem(f"unreadable: {_one_line(exc)}")
     try:
-        signature = base64.b64decode(encoded.strip(), validate=True)
+        signature = base64.b64decode(encoded.removesuffix(b"\n"), validate=True)
     except ValueError:
         return problem("not base64")
+    if encoded != base64.b64encode(signature) + b"\n":  # exactly as written: no byte may change
+        return problem("not in its written form (base64 and one newline)")
     try:
         public_key.verify(signature, manifest_bytes)
     except InvalidSignature:
