@@ -46,8 +46,15 @@ from typing import Any
 
 from kernelcache.errors import WarmError
 from kernelcache.spec import B12xWorkload, GpuClass
-from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport, dir_usage, scoped_env
-from kernelcache.warm.flashinfer import SUBDIR, _import_flashinfer, parse_build_log
+from kernelcache.warm import (
+    CACHE_ENV,
+    Warmer,
+    WarmerReport,
+    record_growth,
+    scoped_env,
+    snapshot,
+)
+from kernelcache.warm.flashinfer import SUBDIR, import_flashinfer, parse_build_log
 
 CUTE_SUBDIR = CACHE_ENV["KERNELCACHE_CUTE_DSL_DIR"]
 _ARCH = re.compile(r"^sm_(12[01])a$")
@@ -144,6 +151,7 @@ class B12xWarmer(Warmer):
         base.mkdir(parents=True, exist_ok=True)
         report = B12xReport(warmer=self.label, arch_list=arch_list(arch))
         report.targets = [t.label for t in targets]
+        before = snapshot(files_dir, (SUBDIR, CUTE_SUBDIR))
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kernelcache-b12x-") as tmp:
             log = Path(tmp) / "build-log.jsonl"
@@ -155,7 +163,7 @@ class B12xWarmer(Warmer):
                 "CUTE_DSL_ARCH": arch,
             }
             with scoped_env(env):
-                jit_env = _import_flashinfer(base)
+                jit_env = import_flashinfer(base)
                 kernels: dict[str, Recorded] = {}
                 for target in targets:
                     with answered_for(target):
@@ -185,10 +193,8 @@ class B12xWarmer(Warmer):
         report.serial_seconds = round(sum(k.seconds for k in kernels.values()), 3)
         report.compiled = len(builds) + len(report.direct_micro)
         report.seconds = round(time.perf_counter() - start, 3)
-        usage = dir_usage(files_dir)
-        for sub in (SUBDIR, CUTE_SUBDIR):
-            report.files += usage.get(sub, {}).get("files", 0)
-            report.bytes += usage.get(sub, {}).get("bytes", 0)
+        after = snapshot(files_dir, (SUBDIR, CUTE_SUBDIR))
+        record_growth(report, files_dir, {p: n for p, n in after.items() if before.get(p) != n})
         return report
 
 

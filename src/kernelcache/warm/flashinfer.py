@@ -280,7 +280,7 @@ class FlashInferWarmer(Warmer):
                 "KERNELCACHE_ARCH": arch,
             }
             with scoped_env(env):
-                jit_env = _import_flashinfer(base)
+                jit_env = import_flashinfer(base)
                 gpu = _tuning_gpu(arch) if tune else None
                 tactics = tactics_file(base, gpu) if gpu is not None else None
                 for entry_point in self.config.entry_points:
@@ -349,7 +349,7 @@ class FlashInferWarmer(Warmer):
         return list(names or [])
 
 
-def _import_flashinfer(base: Path) -> ModuleType:
+def import_flashinfer(base: Path) -> ModuleType:
     """FlashInfer's env module, checked to point at ``base``.
 
     Its cache paths are fixed at import: a FlashInfer imported earlier in this process (by
