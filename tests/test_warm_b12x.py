@@ -287,3 +287,30 @@ def test_intermediate_size_is_sliced_by_tensor_parallelism() -> None:
         {**WORKLOAD, "intermediateSize": 1024, "tensorParallel": 4}
     )
     assert workload.intermediate_per_slice == 256
+
+
+def test_a_compile_worker_that_dies_fails_the_warm_instead_of_hanging(tmp_path: Path) -> None:
+    """A worker killed mid-compile (the kernel OOM killer, say) ends the warm with one line."""
+    script = """
+import os, signal
+from kernelcache.errors import WarmError
+from kernelcache.warm import b12x
+target = b12x.Target("sm_120a", 188, 188)
+kernels = [
+    b12x.Recorded("fine", lambda: None, True, target),
+    b12x.Recorded("killed", lambda: os.kill(os.getpid(), signal.SIGKILL), True, target),
+]
+try:
+    b12x.compile_all(kernels, 2, __import__("pathlib").Path(os.environ["CUTE_DIR"]))
+except WarmError as exc:
+    print(exc.message)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=subprocess_env(CUTE_DIR=str(tmp_path), CUTE_DSL_ARCH=ARCH),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "b12x warmer:" in proc.stdout and "a compile worker died" in proc.stdout

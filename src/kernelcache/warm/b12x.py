@@ -39,6 +39,8 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -414,14 +416,20 @@ def compile_all(kernels: list[Recorded], workers: int, cute_dir: Path) -> None:
     """
     global _pending, _pending_cute_dir
     _pending, _pending_cute_dir = kernels, cute_dir
-    done = 0
+    fork = multiprocessing.get_context("fork")
     try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(kernels)) or 1) as pool:
-            for index, seconds, error in pool.imap_unordered(_compile_one, range(len(kernels))):
+        with ProcessPoolExecutor(max(1, min(workers, len(kernels))), mp_context=fork) as pool:
+            futures = [pool.submit(_compile_one, index) for index in range(len(kernels))]
+            for done, future in enumerate(as_completed(futures), 1):
+                try:
+                    index, seconds, error = future.result()
+                except BrokenProcessPool:  # a worker killed (out of memory, say)
+                    error, index = "a compile worker died (killed, or out of memory)", -1
                 if error:
-                    raise WarmError(f"b12x warmer: {kernels[index].name}: {error}")
+                    pool.shutdown(cancel_futures=True)
+                    what = kernels[index].name if index >= 0 else f"{len(kernels) - done + 1} left"
+                    raise WarmError(f"b12x warmer: {what}: {error}")
                 kernels[index].seconds = seconds
-                done += 1
                 _progress(f"b12x: [{done}/{len(kernels)}] {kernels[index].name} {seconds:.1f}s")
     finally:
         _pending, _pending_cute_dir = [], None
