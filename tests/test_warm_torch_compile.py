@@ -19,6 +19,7 @@ import pytest
 
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store
+from kernelcache.warm.torch_compile import MAX_REPLAYS
 from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
 
@@ -100,6 +101,7 @@ def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothi
     assert report["compiled"] == 1
     assert report["kernels"] == ["mlp[float32,32x64,batch=8]"]
     assert report["megacache"] == {"aot_autograd": 1, "inductor": 1}
+    assert report["replays"] == [0]  # a fresh process set up as serving compiled nothing
     assert {"inductor", "torch-compile"} <= set(report["dirs"])
 
     assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
@@ -138,3 +140,24 @@ def test_max_autotune_on_the_gpu_is_served_from_the_megacache(tmp_path):
     assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
     assert cold["fxgraph_cache_miss"] >= 1
     assert served["seconds"] < cold["seconds"]
+
+
+def test_replays_stop_after_the_limit_and_say_serving_may_still_compile(tmp_path):
+    """A model that meets another shape in every process never settles: the warm replays it
+    MAX_REPLAYS times, reports each replay's compiles and warns, instead of looping."""
+    (tmp_path / "restless_model.py").write_text(
+        "import os\n"
+        "import torch\n\n\n"
+        "def warm(workload):\n"
+        "    size = 8 + os.getpid() % 997  # another shape in every process\n"
+        "    torch.compile(lambda x: x * 2 + 1)(torch.ones(size))\n"
+        "    return [f'affine[{size}]']\n"
+    )
+    spec = write_spec(tmp_path, {"entryPoints": ["restless_model:warm"]})
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    manifest = Store(tmp_path / "s").current_manifest(KEY)
+    assert manifest is not None
+    (report,) = manifest.report["warmers"]
+    assert report["replays"] == [1] * MAX_REPLAYS
+    assert f"may still compile (compiles in {MAX_REPLAYS} replays: [1, 1, 1])" in proc.stderr
