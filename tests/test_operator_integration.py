@@ -48,22 +48,11 @@ from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path, path  #
 from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, peering_crds  # noqa: E402
 from kernelcache.spec import crd_manifest  # noqa: E402
 from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
+from tests.operator_process import wait_until  # noqa: E402
 
 NS = "default"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kernelcache.yaml"
 T = TypeVar("T")
-
-
-def wait_until(check: Callable[[], T], timeout: float = 15.0, what: str = "") -> T:
-    """Poll until ``check`` returns something truthy; fail with its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}: last {value!r}")
-        time.sleep(0.05)
 
 
 @dataclass

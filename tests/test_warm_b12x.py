@@ -10,6 +10,7 @@ kernels on is changed in turn, and verify refuses the generation naming that fac
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ from .conftest import needs_cute, one_line_error, run_kernelcache, subprocess_en
 
 pytestmark = needs_cute
 
-flashinfer_spec = pytest.importorskip("importlib.util").find_spec("flashinfer")
+flashinfer_spec = importlib.util.find_spec("flashinfer")
 if flashinfer_spec is None:
     pytest.skip("flashinfer is not installed", allow_module_level=True)
 

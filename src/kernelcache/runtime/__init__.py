@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FLASHINFER_AOT_SUBDIR",
     "MEGACACHE_FILE",
+    "SERVING_SETTINGS",
     "Runtime",
     "RuntimeConfig",
     "autoinstall",
@@ -79,6 +80,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Set (unless already set) besides the cache directories when serving from a generation.
+SERVING_SETTINGS = {
+    # Triton reads a saved autotune result only with autotune caching on.
+    "TRITON_CACHE_AUTOTUNING": "1",
+    # Inductor's kernels are loaded from the generation, not compiled: no compile-worker pool
+    # to start (seconds), and a compile that still happens stays in this process, counted.
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
 
 # Written by the torch-compile warmer from torch.compiler.save_cache_artifacts().
 MEGACACHE_FILE = "torch-compile/megacache.bin"
@@ -290,11 +300,8 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
 
     for name, subdir in CACHE_ENV.items():
         _set_default(runtime, name, str(files / subdir))
-    # Triton reads a saved autotune result only with autotune caching on.
-    _set_default(runtime, "TRITON_CACHE_AUTOTUNING", "1")
-    # Inductor's kernels are loaded from the generation, not compiled: no compile-worker pool
-    # to start (seconds), and a compile that still happens stays in this process, counted.
-    _set_default(runtime, "TORCHINDUCTOR_COMPILE_THREADS", "1")
+    for name, value in SERVING_SETTINGS.items():
+        _set_default(runtime, name, value)
     aot = files / FLASHINFER_AOT_SUBDIR
     if aot.is_dir() and any(aot.iterdir()):
         hooks.use_flashinfer_aot(aot)

@@ -74,26 +74,16 @@ def dsl_stack() -> dict[str, str]:
     """Versions and RECORD digests of the DSL distributions: a rebuilt DSL is a new key."""
     from importlib.metadata import distributions
 
-    from kernelcache.stamp import distribution_factor
+    from kernelcache.stamp import distribution_factor, distribution_name
 
     names = sorted(
         {
             name
-            for name in map(_distribution_name, distributions())
+            for name in map(distribution_name, distributions())
             if name.startswith(("nvidia-cutlass-dsl", "apache-tvm-ffi"))
         }
     )
     return {name: distribution_factor(name) for name in names}
-
-
-def _distribution_name(dist: Any) -> str:
-    """The canonical name, from the dist-info folder's name where there is one.
-
-    Parsing every installed distribution's METADATA costs tens of milliseconds in a serving
-    image, more than loading a kernel; the folder name carries the same normalized name.
-    """
-    folder_name = getattr(dist, "_normalized_name", None)
-    return str(folder_name or dist.metadata["Name"] or "").lower().replace("_", "-")
 
 
 @cache

@@ -56,7 +56,12 @@ from kernelcache.warm import (
     scoped_env,
     snapshot,
 )
-from kernelcache.warm.flashinfer import SUBDIR, import_flashinfer, parse_build_log
+from kernelcache.warm.flashinfer import (
+    SUBDIR,
+    cuda_arch_list,
+    import_flashinfer,
+    parse_build_log,
+)
 
 CUTE_SUBDIR = CACHE_ENV["KERNELCACHE_CUTE_DSL_DIR"]
 _ARCH = re.compile(r"^sm_(12[01])a$")
@@ -97,8 +102,7 @@ def arch_list(arch: str) -> str:
     b12x needs CUDA 13, where FlashInfer names an sm_120 GPU "12.0f": the workspace
     directory ("120f") must be the one the serving process looks in.
     """
-    digits = arch.removeprefix("sm_").rstrip("af")
-    return f"{digits[:-1]}.{digits[-1]}f"
+    return cuda_arch_list(arch).rstrip("af") + "f"
 
 
 @dataclass

@@ -53,8 +53,6 @@ MEGACACHE = "megacache.bin"
 MEGACACHE_INFO = "megacache.json"
 CACHE_DIRS = {var: CACHE_ENV[var] for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
 MAX_REPLAYS = 3
-# What the serving runtime sets besides the cache directories (kernelcache.runtime).
-SERVING_ENV = {"TRITON_CACHE_AUTOTUNING": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 @dataclass
@@ -130,7 +128,9 @@ class TorchCompileWarmer(Warmer):
             "arch": arch,
             "megacache": str(files_dir / SUBDIR / MEGACACHE),
         }
-        env = {**os.environ, **self.config.env, **cache_env, **SERVING_ENV}
+        from kernelcache.runtime import SERVING_SETTINGS
+
+        env = {**os.environ, **self.config.env, **cache_env, **SERVING_SETTINGS}
         proc = subprocess.run(
             [sys.executable, "-m", __name__, json.dumps(job)],
             env=env,
