@@ -217,6 +217,35 @@ def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(
     assert "FLASHINFER_DISABLE_JIT" not in installed(without_aot, KERNELCACHE_STRICT="1")["set"]
 
 
+@needs_torch
+def test_install_after_importing_inductor_still_serves_inductor_from_the_generation(tmp_path):
+    """Importing torch._inductor writes its default cache dir into the environment; install()
+    must not take that for the user's choice, while a directory the user named stays."""
+    generation = make_generation(tmp_path / "g", {"cute-dsl/k.o": b"\x7fELF"})
+    script = (
+        "import os, torch._inductor.compile_fx; from kernelcache import runtime\n"
+        "runtime.install(); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+    )
+
+    def inductor_dir(**env: str) -> str:
+        environment = subprocess_env(KERNELCACHE_DIR=str(generation), **env)
+        if not env:
+            environment.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert inductor_dir() == str(generation / "files" / "inductor")
+    own = str(tmp_path / "own")
+    assert inductor_dir(TORCHINDUCTOR_CACHE_DIR=own) == own
+
+
 def test_the_init_containers_env_file_names_the_generation(tmp_path):
     """The webhook sets KERNELCACHE_ENV_FILE; the init-container wrote the generation there."""
     generation = make_generation(tmp_path / "store", {"cute-dsl/k.o": b"\x7fELF"})

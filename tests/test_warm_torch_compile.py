@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kernelcache.errors import ExitCode
-from kernelcache.store import Store
+from kernelcache.store import Store, materialize
 from kernelcache.warm.torch_compile import MAX_REPLAYS
 from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
@@ -109,6 +109,43 @@ def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothi
     assert cold["fxgraph_cache_miss"] >= 1 and cold["fxgraph_cache_hit"] == 0
 
 
+def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob(tmp_path):
+    """The runtime serves inductor from the materialized ``files/inductor`` and leaves the
+    Mega-Cache alone (loading it would put the first warm process's autotune results back
+    over what the replays wrote). The blob is damaged here to show whether it was read: served
+    from the generation's own cache, nothing notices; pointed at a cache dir of the user's,
+    the runtime loads the blob, torch says it cannot, and the model compiles."""
+    spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": CPU_WORKLOAD})
+    store = Store(tmp_path / "store")
+    proc = kernelcache("build", "-f", str(spec), "--store", str(store.root))
+    assert proc.returncode == 0, proc.stderr
+    manifest = store.current_manifest(KEY)
+    assert manifest is not None
+    generation = materialize(store.current(KEY), manifest, tmp_path / "serve")
+    blob = generation / "files" / "torch-compile" / "megacache.bin"
+    blob.write_bytes(blob.read_bytes()[:100])
+
+    def serve_from_generation(**env: str) -> tuple[int, dict[str, Any], str]:
+        example = [sys.executable, str(EXAMPLES / "torch_models.py")]
+        run = subprocess.run(
+            [*example, "--workload", json.dumps(CPU_WORKLOAD)],
+            env=subprocess_env(KERNELCACHE_DIR=str(generation), **env),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return run.returncode, json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+    code, counters, stderr = serve_from_generation()
+    assert code == 0, stderr
+    assert counters["fxgraph_cache_hit"] >= 1 and counters["fxgraph_cache_miss"] == 0
+    assert "un-pickle cache artifacts" not in stderr  # torch's own line for a damaged blob
+
+    code, counters, stderr = serve_from_generation(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "own"))
+    assert code == 1 and counters["fxgraph_cache_miss"] >= 1
+    assert "Failed to un-pickle cache artifacts" in stderr
+
+
 def test_a_warm_that_compiles_nothing_fails_in_one_line(tmp_path):
     (tmp_path / "idle_model.py").write_text("def warm(workload):\n    return []\n")
     spec = write_spec(tmp_path, {"entryPoints": ["idle_model:warm"]})
@@ -137,6 +174,7 @@ def test_max_autotune_on_the_gpu_is_served_from_the_megacache(tmp_path):
     report, served, cold = build_and_serve(tmp_path, workload, arch)
     assert report["compiled"] == 1 and report["megacache"]["inductor"] == 1
     assert "triton" in report["dirs"]
+    assert report["replays"][-1] == 0  # tuned kernels are not tuned again in serving
     assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
     assert cold["fxgraph_cache_miss"] >= 1
     assert served["seconds"] < cold["seconds"]

@@ -8,13 +8,15 @@ the environment and then:
 1. checks the generation's stamp against this environment (``kernelcache_stamp_mismatch``,
    one log line naming the factor; strict mode refuses to start);
 2. points every toolchain cache variable of ``kernelcache.warm.CACHE_ENV`` at the
-   generation's ``files/<subdir>``, leaving any variable the user already set alone;
+   generation's ``files/<subdir>``, leaving any variable the user already set alone (the
+   default an earlier import of ``torch._inductor`` wrote for itself does not count);
 3. when the generation holds FlashInfer AOT modules (``FLASHINFER_AOT_SUBDIR``), points
    FlashInfer at them and, in strict mode, sets ``FLASHINFER_DISABLE_JIT=1``;
 4. hooks each toolchain when the application imports it (``runtime.hooks``): the CuTe-DSL
-   disk layer, Triton's compile listener, dynamo/inductor compile callbacks and the torch
-   Mega-Cache (``files/torch-compile/megacache.bin``, loaded when torch is imported), and a
-   tail of FlashInfer's build log;
+   disk layer, Triton's compile listener, dynamo/inductor compile callbacks, the torch
+   Mega-Cache (``files/torch-compile/megacache.bin``, loaded when torch is imported unless
+   inductor already reads the generation's own ``files/inductor``), inductor's tuned configs
+   kept from re-tuning (``observe_torch``), and a tail of FlashInfer's build log;
 5. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
 
 The environment contract (read once, by ``RuntimeConfig.from_env``):
@@ -76,6 +78,7 @@ __all__ = [
     "RuntimeConfig",
     "autoinstall",
     "install",
+    "observe_torch",
     "serve_metrics",
 ]
 
@@ -290,9 +293,24 @@ def _read_manifest(directory: Path) -> Manifest:
 
 
 def _set_default(runtime: Runtime, name: str, value: str) -> None:
-    if name not in os.environ:
+    if name not in os.environ or _set_by_inductor(name):
         os.environ[name] = value
         runtime.env[name] = value
+
+
+def _set_by_inductor(name: str) -> bool:
+    """Whether ``name`` holds inductor's own default, written by torch rather than the user.
+
+    Importing ``torch._inductor`` (``compile_fx``, say) sets ``TORCHINDUCTOR_CACHE_DIR`` to
+    ``/tmp/torchinductor_<user>`` when it is unset. An application that imports it before
+    ``install()`` would otherwise serve from that empty default instead of the generation.
+    Inductor reads the variable again at every cache access, so pointing it later works.
+    """
+    if name != "TORCHINDUCTOR_CACHE_DIR" or "torch._inductor" not in sys.modules:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.environ[name] == os.path.abspath(default_cache_dir())
 
 
 def _point_caches(runtime: Runtime, files: Path) -> None:
@@ -313,10 +331,9 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
 
 def _observe(runtime: Runtime, files: Path | None) -> None:
     config = runtime.config
-    megacache = files / MEGACACHE_FILE if files is not None else None
     hooks.watch_cute()
     hooks.watch_triton(config.strict)
-    hooks.watch_inductor(config.strict, megacache if megacache and megacache.is_file() else None)
+    observe_torch(files, config.strict)
     if config.strict:
         hooks.refuse_flashinfer_cute_dsl_builds()
     build_log = config.flashinfer_build_log
@@ -326,6 +343,37 @@ def _observe(runtime: Runtime, files: Path | None) -> None:
     if build_log is not None:
         tail = hooks.BuildLogTail(build_log, config.flashinfer_min_build_seconds)
         tail.start(config.poll_seconds)
+
+
+def observe_torch(files: Path | None, strict: bool) -> None:
+    """Count dynamo/inductor compiles; with a generation's ``files``, serve inductor from it.
+
+    Also used by the torch-compile warmer's replays, which must see what serving sees.
+    """
+    hooks.watch_inductor(strict, _megacache_to_load(files) if files is not None else None)
+    if files is not None:
+        hooks.keep_tuned_configs()
+
+
+def _megacache_to_load(files: Path) -> Path | None:
+    """The generation's Mega-Cache, unless inductor already reads the generation's own cache.
+
+    The warm process's inductor cache (``files/inductor``) holds every artifact of the blob
+    plus what the warmer's replays added after it was saved. Loading the blob over it would
+    put the first process's autotune results back over the replays' ones, in an order that
+    varies per process (the blob can hold several results for one kernel).
+    """
+    blob = files / MEGACACHE_FILE
+    if not blob.is_file():
+        return None
+    from kernelcache.warm import CACHE_ENV
+
+    own = files / CACHE_ENV["TORCHINDUCTOR_CACHE_DIR"]
+    in_use = os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(own)
+    if in_use and own.is_dir() and any(own.iterdir()):
+        log.info("kernelcache: inductor reads the generation's own cache; Mega-Cache not loaded")
+        return None
+    return blob
 
 
 def _serve(config: RuntimeConfig) -> int | None:

@@ -180,6 +180,7 @@ def watch_inductor(strict: bool, megacache: Path | None) -> None:
 
 def _load_megacache(torch: Any, path: Path) -> None:
     """``torch.compiler.load_cache_artifacts``: fills the local caches before any compile."""
+    start = time.perf_counter()
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
     except Exception as exc:  # another torch's format, or a truncated file: compile instead
@@ -187,7 +188,39 @@ def _load_megacache(torch: Any, path: Path) -> None:
         metrics.record_dropped("inductor", "megacache-unloadable")
         return
     loaded = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
-    log.info("kernelcache: Mega-Cache loaded: %d artifacts from %s", loaded, path)
+    seconds = time.perf_counter() - start
+    log.info(
+        "kernelcache: Mega-Cache loaded: %d artifacts from %s in %.2f s", loaded, path, seconds
+    )
+
+
+def keep_tuned_configs() -> None:
+    """Serving from a generation: a kernel whose config came from the generation's autotune
+    cache is not tuned again.
+
+    Under ``coordinate_descent_tuning`` (max-autotune) inductor re-runs coordinate descent at
+    a kernel's first launch unless its config is marked ``found_by_coordesc``, and Triton's
+    ``Config`` loses that mark when it is copied or unpickled (3.6). Every serving process
+    would then re-tune from the saved best config, compile each neighbour it tries, and
+    pick its own winner from noisy timings. A cache hit is already the warm's tuned result
+    (inductor itself skips its RBLOCK rescaling on a hit for the same reason).
+    """
+    when_imported("torch._inductor.runtime.triton_heuristics", _keep_tuned_configs)
+
+
+def _keep_tuned_configs(heuristics: ModuleType) -> None:
+    autotuner = getattr(heuristics, "CachingAutotuner", None)
+    tune = getattr(autotuner, "coordinate_descent_tuning", None)
+    if autotuner is None or tune is None:
+        log.warning("kernelcache: unknown inductor autotuner: it may re-tune in serving")
+        return
+
+    def coordinate_descent_tuning(self: Any, launcher: Any, *args: Any, **kwargs: Any) -> Any:
+        if (getattr(self, "autotune_cache_info", None) or {}).get("autotune_cache_state") == "hit":
+            return launcher
+        return tune(self, launcher, *args, **kwargs)
+
+    autotuner.coordinate_descent_tuning = coordinate_descent_tuning
 
 
 class _FrameCompile(threading.local):

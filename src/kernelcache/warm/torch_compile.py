@@ -8,22 +8,21 @@ its graphs), written to ``files/torch-compile/megacache.bin``; ``megacache.json`
 lists the artifacts by kind for the report. A warm that recorded no artifact fails: a model
 that was not compiled, or compiled with caching off, would leave serving to compile again.
 
-The consumer contract (``kernelcache.runtime`` implements it): before the first compiled call,
-a serving process reads ``<generation>/files/torch-compile/megacache.bin`` and passes the bytes
-to ``torch.compiler.load_cache_artifacts``. That writes the entries into the process's own,
-writable ``TORCHINDUCTOR_CACHE_DIR`` (and Triton's cache), and the compile that follows is a
-cache hit (``fxgraph_cache_hit``, ``autograd_cache_hit``) instead of an inductor compile.
-Loading after a model was compiled does not help that model. The artifacts are valid only for
-the same torch build (a stamp factor) and, for GPU kernels, the same arch. The ``inductor/``
-tree is the warm process's own cache, kept for inspection: inductor writes lock files into
-its cache directory, so a read-only generation cannot be one.
+The consumer contract (``kernelcache.runtime`` implements it, ``observe_torch``): a serving
+process points ``TORCHINDUCTOR_CACHE_DIR`` at its materialized (writable) copy of
+``files/inductor``, the warm process's own cache, and the compile that follows is a cache hit
+(``fxgraph_cache_hit``, ``autograd_cache_hit``) instead of an inductor compile. Where inductor
+uses another directory, or the generation holds only the blob, the process first passes
+``files/torch-compile/megacache.bin`` to ``torch.compiler.load_cache_artifacts``, which
+writes the same entries there. Loading after a model was compiled does not help that model.
+The artifacts are valid only for the same torch build (a stamp factor) and, for GPU kernels,
+the same arch.
 
-On a GPU one warm process is not enough: inductor autotunes some pointwise and reduction
-kernels at run time, and fresh processes serving from the generation kept compiling new
-configs for a few starts (8, then 9, then 0 compiles on an H200). So the warm then replays
-the entry points in fresh processes set up as serving is (the Mega-Cache loaded, these
-caches, no compile-worker pool), each adding what it compiled, until one compiles nothing
-(at most ``MAX_REPLAYS``); the report lists each replay's compile count.
+On a GPU, max-autotune also tunes pointwise and reduction kernels at their first launch
+(coordinate descent), and writes the winners to the autotune cache. Serving takes a saved
+winner as final (``hooks.keep_tuned_configs``); the warm then replays the entry points in
+fresh processes set up as serving is, each adding what it compiled, until one compiles
+nothing (at most ``MAX_REPLAYS``); the report lists each replay's compile count.
 """
 
 from __future__ import annotations
@@ -126,7 +125,7 @@ class TorchCompileWarmer(Warmer):
             "spec_dir": str(self.spec_dir) if self.spec_dir else None,
             "workload": self.config.workload,
             "arch": arch,
-            "megacache": str(files_dir / SUBDIR / MEGACACHE),
+            "files": str(files_dir),
         }
         from kernelcache.runtime import SERVING_SETTINGS
 
@@ -147,10 +146,10 @@ class TorchCompileWarmer(Warmer):
 
 def replay(job: dict[str, Any]) -> int:
     """In the replay process: count compiles as the serving runtime does, run the entry points."""
-    from kernelcache.runtime import hooks, metrics
+    from kernelcache.runtime import hooks, metrics, observe_torch
 
     hooks.watch_triton(strict=False)
-    hooks.watch_inductor(strict=False, megacache=Path(job["megacache"]))
+    observe_torch(Path(job["files"]), strict=False)
     spec_dir = Path(job["spec_dir"]) if job["spec_dir"] else None
     call_entry_points(
         TorchCompileWarmer.type, job["entry_points"], spec_dir, job["workload"], job["arch"]
