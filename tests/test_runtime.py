@@ -201,6 +201,7 @@ def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(
             timeout=120,
         )
         assert proc.returncode == 0, proc.stderr
+        assert "imported before" not in proc.stderr  # installed first: nothing to warn of
         return json.loads(proc.stdout)
 
     with_aot = make_generation(tmp_path / "a", {"flashinfer/aot/decode/decode.so": b"\x7fELF"})
@@ -220,7 +221,8 @@ def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(
 @needs_torch
 def test_install_after_importing_inductor_still_serves_inductor_from_the_generation(tmp_path):
     """Importing torch._inductor writes its default cache dir into the environment; install()
-    must not take that for the user's choice, while a directory the user named stays."""
+    must not take that for the user's choice, while a directory the user named stays, and
+    it warns that what inductor read at import stays as it was."""
     generation = make_generation(tmp_path / "g", {"cute-dsl/k.o": b"\x7fELF"})
     script = (
         "import os, torch._inductor.compile_fx; from kernelcache import runtime\n"
@@ -239,6 +241,8 @@ def test_install_after_importing_inductor_still_serves_inductor_from_the_generat
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr
+        # what cannot be mended any more is said: the compile-worker count was read at import
+        assert "torch._inductor was imported before kernelcache.runtime.install()" in proc.stderr
         return proc.stdout.strip()
 
     assert inductor_dir() == str(generation / "files" / "inductor")

@@ -316,6 +316,13 @@ def _set_by_inductor(name: str) -> bool:
 def _point_caches(runtime: Runtime, files: Path) -> None:
     from kernelcache.warm import CACHE_ENV
 
+    if "torch._inductor.config" in sys.modules:
+        log.warning(
+            "kernelcache: torch._inductor was imported before kernelcache.runtime.install(): "
+            "settings inductor reads at import (TORCHINDUCTOR_COMPILE_THREADS=1) do not apply; "
+            "install first, or set KERNELCACHE_RUNTIME=1"
+        )
+
     for name, subdir in CACHE_ENV.items():
         _set_default(runtime, name, str(files / subdir))
     for name, value in SERVING_SETTINGS.items():
