@@ -196,3 +196,36 @@ def test_install_routes_cute_compile_through_the_cache(tmp_path, cute_cache):
     finally:
         cute_cache.uninstall()
     assert cute.compile is original
+
+
+def test_a_hopper_tma_wgmma_gemm_is_exported_and_loaded_with_zero_compiles(tmp_path):
+    """The benchmark's kernel (examples/hopper_gemm.py: TMA descriptors built on the host, an
+    mbarrier pipeline, WGMMA; sm_90a only) compiles on the CPU, is exported per shape, and a
+    second strict process gets every shape from the cache."""
+    workload = {"shapes": [[256, 128, 64], [128, 256, 128]]}
+    script = (
+        "import json, sys; from kernelcache.runtime import cute as layer\n"
+        "layer.install(); import hopper_gemm\n"
+        "names = hopper_gemm.warm(json.loads(sys.argv[1]))\n"
+        "stats = layer.default_cache().stats\n"
+        "print(json.dumps([names, stats.hits, stats.misses]))\n"
+    )
+
+    def run(**env: str) -> tuple[list[str], int, int]:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(workload)],
+            env=subprocess_env(
+                KERNELCACHE_CUTE_DSL_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a", **env
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        names, hits, misses = json.loads(proc.stdout.strip().splitlines()[-1])
+        return names, hits, misses
+
+    names, hits, misses = run()
+    assert names == ["hopper_gemm[256x128x64]", "hopper_gemm[128x256x128]"]
+    assert (hits, misses) == (0, 2) and len(list(tmp_path.glob("*.o"))) == 2
+    assert run(KERNELCACHE_STRICT="1")[1:] == (2, 0)
