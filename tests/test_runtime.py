@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kernelcache.runtime.hooks import BuildLogTail
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
 from tests.conftest import EXAMPLES, REPO, needs_cute, subprocess_env
+from tests.operator_process import wait_until
 from tests.test_build import SMALL_WORKLOAD, kernelcache, write_spec
 
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
@@ -563,6 +565,54 @@ def test_triton_counts_real_compiles_not_disk_hits_and_strict_refuses_first(tmp_
 
 
 # --------------------------------------------------------------------------- flashinfer
+
+
+@needs_triton
+def test_a_triton_compile_in_another_process_sharing_the_cache_is_counted_once(tmp_path):
+    """Inductor's compile workers compile in processes of their own, where this process's
+    Triton listener sees nothing; the runtime's poll of the shared Triton cache counts what
+    they add, and does not count again what this process compiled itself."""
+    cache = tmp_path / "triton"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPER), "--serve", "--triton", "128"],
+        env=subprocess_env(
+            TRITON_CACHE_DIR=str(cache),
+            KERNELCACHE_POLL_S="0.05",
+            KERNELCACHE_METRICS_PORT=str(port),
+            KERNELCACHE_METRICS_ADDRESS="127.0.0.1",
+        ),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def scrape() -> Samples:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return parse(response.read().decode())
+
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"serving {port}"
+        while proc.stdout.readline() != "--- metrics\n":
+            pass
+        elsewhere = subprocess.run(  # a worker: the same cache, no kernelcache runtime
+            [sys.executable, "-c", "import runtime_serve; runtime_serve.run_triton(256, False)"],
+            env=subprocess_env(TRITON_CACHE_DIR=str(cache), PYTHONPATH=str(HELPER.parent)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert elsewhere.returncode == 0, elsewhere.stderr
+        wait_until(lambda: kernels(scrape(), "triton").get("vector_add") == 2, timeout=30)
+        time.sleep(0.5)  # ten more polls: nothing is counted twice
+        samples = scrape()
+    finally:
+        _, stderr = proc.communicate(input="", timeout=60)
+    assert kernels(samples, "triton") == {"vector_add": 2}
+    assert total(samples, "kernelcache_compile_seconds_count", toolchain="triton") == 1
+    assert "cold compile in another process sharing the cache: triton kernel vector_add" in stderr
 
 
 def test_flashinfer_build_log_counts_real_builds_of_this_process_only(tmp_path):

@@ -16,7 +16,9 @@ the environment and then:
    disk layer, Triton's compile listener, dynamo/inductor compile callbacks, the torch
    Mega-Cache (``files/torch-compile/megacache.bin``, loaded when torch is imported unless
    inductor already reads the generation's own ``files/inductor``), inductor's tuned configs
-   kept from re-tuning (``observe_torch``), and a tail of FlashInfer's build log;
+   kept from re-tuning (``observe_torch``), and a tail of FlashInfer's build log; a poll of
+   Triton's cache directory counts the compiles of other processes that share it (inductor's
+   compile workers), which Triton's listener in this process cannot see;
 5. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
 
 The environment contract (read once, by ``RuntimeConfig.from_env``):
@@ -32,7 +34,8 @@ The environment contract (read once, by ``RuntimeConfig.from_env``):
                                            check; default: the generation's
 ``KERNELCACHE_FLASHINFER_MIN_BUILD_S``     a FlashInfer build-log line counts as a build
                                            from this many seconds (default 0.5)
-``KERNELCACHE_POLL_S``                     how often the build log is read (default 1.0)
+``KERNELCACHE_POLL_S``                     how often the build log and Triton's cache
+                                           directory are read (default 1.0)
 ``FLASHINFER_JIT_BUILD_LOG``               FlashInfer's build log; set to a file in the temp
                                            dir when unset and FlashInfer is installed
 =========================================  ==================================================
@@ -127,7 +130,8 @@ class RuntimeConfig:
     # KERNELCACHE_FLASHINFER_MIN_BUILD_S: shorter build-log entries are warm loads (ninja
     # no-ops take ~0.01 s; the fastest real module build takes seconds).
     flashinfer_min_build_seconds: float = 0.5
-    # KERNELCACHE_POLL_S: seconds between two reads of the FlashInfer build log.
+    # KERNELCACHE_POLL_S: seconds between two reads of the FlashInfer build log and of Triton's
+    # cache directory.
     poll_seconds: float = 1.0
 
     @classmethod
@@ -339,7 +343,7 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
 def _observe(runtime: Runtime, files: Path | None) -> None:
     config = runtime.config
     hooks.watch_cute()
-    hooks.watch_triton(config.strict)
+    hooks.watch_triton(config.strict, config.poll_seconds)
     observe_torch(files, config.strict)
     if config.strict:
         hooks.refuse_flashinfer_cute_dsl_builds()

@@ -35,11 +35,13 @@ missing logs one warning and counts nothing, it never breaks the import.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -83,11 +85,13 @@ def _on_cute_event(kind: str, name: str, seconds: float | None) -> None:
 # ------------------------------------------------------------------------------ triton
 
 
-def watch_triton(strict: bool) -> None:
-    when_imported("triton", lambda _: _install_triton(strict))
+def watch_triton(strict: bool, poll_seconds: float | None = None) -> None:
+    """Count Triton's compiles when it is imported; with ``poll_seconds``, also those of other
+    processes sharing its cache directory (``TritonCacheWatch``)."""
+    when_imported("triton", lambda _: _install_triton(strict, poll_seconds))
 
 
-def _install_triton(strict: bool) -> None:
+def _install_triton(strict: bool, poll_seconds: float | None) -> None:
     try:
         from triton import knobs
     except ImportError:
@@ -102,9 +106,13 @@ def _install_triton(strict: bool) -> None:
             metrics.record_hit("triton")
         else:
             kernel = getattr(event["src"], "name", "?")
+            compiled_here.add(triton_cache_entry(event["metadata"].get("hash", "")))
             metrics.record_compile("triton", kernel, event["times"].total / 1e6)
 
     knobs.compilation.listener = listener
+    if poll_seconds is not None:
+        watch = TritonCacheWatch(Path(knobs.cache.dir))
+        poll_forever(watch.poll, poll_seconds, "kernelcache-triton-cache")
     if knobs.cache.manager_class is not None:
         log.warning(
             "kernelcache: TRITON_CACHE_MANAGER is set: the generation's Triton cache is read by "
@@ -112,6 +120,60 @@ def _install_triton(strict: bool) -> None:
         )
         return
     knobs.cache.manager_class = triton_cache_manager(strict)
+
+
+# Triton cache entries (directory names) of the kernels this process compiled.
+compiled_here: set[str] = set()
+
+
+def triton_cache_entry(kernel_hash: str) -> str:
+    """The cache directory Triton files a compiled kernel under: its hash in base32."""
+    try:
+        return base64.b32encode(bytes.fromhex(kernel_hash)).decode().rstrip("=")
+    except ValueError:
+        return kernel_hash
+
+
+class TritonCacheWatch:
+    """Counts the Triton compiles of other processes that share this process's Triton cache.
+
+    The listener sees only this process's compiles; inductor's compile workers and an engine's
+    helper processes compile elsewhere and are seen only by what they write: Triton files a
+    compiled kernel as ``<entry>/__grp__<kernel>.json``, last. Groups present when the watch
+    starts are the generation's. A group that appears later, and that this process's listener
+    did not count by the next poll, is counted here, once by every process that watches the
+    directory, without seconds.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._known = self._groups()
+        self._new: set[Path] = set()
+
+    def _groups(self) -> set[Path]:
+        return set(self.root.glob("*/__grp__*.json"))
+
+    def poll(self) -> None:
+        for group in sorted(self._new):
+            if group.parent.name not in compiled_here:
+                kernel = group.name.removeprefix("__grp__").removesuffix(".json")
+                metrics.record_compile_elsewhere("triton", kernel)
+        groups = self._groups()
+        self._new = groups - self._known
+        self._known = groups
+
+
+def poll_forever(poll: Callable[[], None], interval: float, name: str) -> threading.Thread:
+    """``poll()`` every ``interval`` seconds in a daemon thread."""
+
+    def follow() -> None:
+        while True:
+            poll()
+            time.sleep(interval)
+
+    thread = threading.Thread(target=follow, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 # ``TRITON_CACHE_MANAGER`` value for processes that use a generation without install().
@@ -384,11 +446,4 @@ class BuildLogTail:
             metrics.record_hit("flashinfer")
 
     def start(self, interval: float) -> threading.Thread:
-        def follow() -> None:
-            while True:
-                self.poll()
-                time.sleep(interval)
-
-        thread = threading.Thread(target=follow, name="kernelcache-flashinfer-log", daemon=True)
-        thread.start()
-        return thread
+        return poll_forever(self.poll, interval, "kernelcache-flashinfer-log")

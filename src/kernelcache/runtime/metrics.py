@@ -92,6 +92,17 @@ def record_compile(toolchain: str, kernel: str, seconds: float | None, count: in
     )
 
 
+def record_compile_elsewhere(toolchain: str, kernel: str) -> None:
+    """A compile seen only by its output, made by another process sharing the cache."""
+    kernel = kernel[:_MAX_KERNEL_LABEL]
+    COLD_COMPILES.labels(toolchain, kernel).inc()
+    log.warning(
+        "kernelcache: cold compile in another process sharing the cache: %s kernel %s",
+        toolchain,
+        kernel,
+    )
+
+
 def record_hit(toolchain: str, count: int = 1) -> None:
     CACHE_HITS.labels(toolchain).inc(count)
 
