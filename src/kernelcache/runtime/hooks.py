@@ -139,28 +139,34 @@ class TritonCacheWatch:
 
     The listener sees only this process's compiles; inductor's compile workers and an engine's
     helper processes compile elsewhere and are seen only by what they write: Triton files a
-    compiled kernel as ``<entry>/__grp__<kernel>.json``, last. Groups present when the watch
-    starts are the generation's. A group that appears later, and that this process's listener
-    did not count by the next poll, is counted here, once by every process that watches the
-    directory, without seconds.
+    compiled kernel in a new ``<entry>/`` directory, its ``__grp__<kernel>.json`` last. Entries
+    present when the watch starts are the generation's. A new entry with a group file that
+    this process's listener did not count by the next poll is counted here, once by every
+    process that watches the directory, without seconds. One directory listing per poll.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._known = self._groups()
-        self._new: set[Path] = set()
+        self._done = self._entries()
+        self._grouped: set[str] = set()  # new entries whose group file appeared last poll
 
-    def _groups(self) -> set[Path]:
-        return set(self.root.glob("*/__grp__*.json"))
+    def _entries(self) -> set[str]:
+        try:
+            return set(os.listdir(self.root))
+        except OSError:
+            return set()  # not created yet
 
     def poll(self) -> None:
-        for group in sorted(self._new):
-            if group.parent.name not in compiled_here:
-                kernel = group.name.removeprefix("__grp__").removesuffix(".json")
-                metrics.record_compile_elsewhere("triton", kernel)
-        groups = self._groups()
-        self._new = groups - self._known
-        self._known = groups
+        for entry in sorted(self._grouped):
+            if entry not in compiled_here:
+                for group in (self.root / entry).glob("__grp__*.json"):
+                    kernel = group.name.removeprefix("__grp__").removesuffix(".json")
+                    metrics.record_compile_elsewhere("triton", kernel)
+        self._done |= self._grouped
+        # an entry without a group file is still being written, or holds no kernel (autotune
+        # results): looked at again next poll
+        new = self._entries() - self._done
+        self._grouped = {e for e in new if any((self.root / e).glob("__grp__*.json"))}
 
 
 def poll_forever(poll: Callable[[], None], interval: float, name: str) -> threading.Thread:
