@@ -5,9 +5,10 @@ C[M, N] = A[M, K] @ B[N, K]^T, bf16 in, fp32 accumulate, bf16 out, both inputs K
 linear layer's weight is stored). Each CTA computes a (128, 128) tile of C: one producer warp
 issues TMA copies of (128, 64) tiles of A and B into a 4-stage shared-memory ring guarded by
 mbarriers, one consumer warpgroup multiplies them with WGMMA and writes its accumulators to
-C. This is the shape of the kernels serving engines ship for Hopper, and its compile cost is
-theirs: seconds per shape. sm_90a only; it compiles on any machine (``CUTE_DSL_ARCH``). M and
-N must be multiples of 128 and K of 64.
+C. This is the shape of the GEMMs serving engines ship for Hopper (theirs add warp
+specialization across consumers, clusters and a TMA-store epilogue, and compile for longer);
+this one compiles in about 0.4 s per shape on the H200's host. sm_90a only; it compiles on
+any machine (``CUTE_DSL_ARCH``). M and N must be multiples of 128 and K of 64.
 """
 
 from __future__ import annotations

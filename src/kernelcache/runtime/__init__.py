@@ -312,8 +312,10 @@ def _set_by_inductor(name: str) -> bool:
     """
     if name != "TORCHINDUCTOR_CACHE_DIR" or "torch._inductor" not in sys.modules:
         return False
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: its default is not known here
+        return False
     return os.environ[name] == os.path.abspath(default_cache_dir())
 
 
