@@ -615,6 +615,47 @@ def test_a_triton_compile_in_another_process_sharing_the_cache_is_counted_once(t
     assert "cold compile in another process sharing the cache: triton kernel vector_add" in stderr
 
 
+@needs_triton
+def test_processes_started_by_a_serving_process_read_the_relocated_triton_cache(tmp_path):
+    """A process the serving process starts without the runtime (an engine's helper, one of
+    inductor's compile workers) inherits the relocating cache manager with the cache dir, so
+    it finds the generation's kernels; with Triton's own manager it compiles them again over
+    the generation's files, in place, where no new entry shows it."""
+    staging = tmp_path / "staging"
+    child = [sys.executable, "-c", "import runtime_serve; runtime_serve.run_triton(128, False)"]
+    pythonpath = os.pathsep.join([str(HELPER.parent), subprocess_env()["PYTHONPATH"]])
+    compiled = subprocess.run(
+        child, env=subprocess_env(TRITON_CACHE_DIR=str(staging), PYTHONPATH=pythonpath)
+    )
+    assert compiled.returncode == 0
+    files = {f"triton/{p.relative_to(staging)}": p.read_bytes() for p in staging.rglob("*.*")}
+    shutil.rmtree(staging)  # gone, as the warm's staging dir is
+    published = make_generation(tmp_path / "store", files)
+    manifest = Store(tmp_path / "store").current_manifest("default/demo/sm_90a")
+    assert manifest is not None
+    parent = (
+        "import os, subprocess, sys\n"
+        "from kernelcache import runtime; runtime.install()\n"
+        "env = dict(os.environ)\n"
+        "if sys.argv[1] == 'stock': env.pop('TRITON_CACHE_MANAGER')\n"
+        f"sys.exit(subprocess.run({child!r}, env=env).returncode)\n"
+    )
+    for manager in ("inherited", "stock"):
+        generation = materialize(published, manifest, tmp_path / manager)
+        (group,) = (generation / "files" / "triton").glob("*/__grp__vector_add.json")
+        written = group.read_bytes()
+        proc = subprocess.run(
+            [sys.executable, "-c", parent, manager],
+            env=subprocess_env(KERNELCACHE_DIR=str(generation), PYTHONPATH=pythonpath),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        recompiled = group.read_bytes() != written  # rewritten with this copy's paths
+        assert recompiled == (manager == "stock")
+
+
 def test_flashinfer_build_log_counts_real_builds_of_this_process_only(tmp_path):
     """A file-format contract test: the lines are written here as FlashInfer 0.7.x writes them."""
     log = tmp_path / "builds.jsonl"

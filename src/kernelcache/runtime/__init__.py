@@ -94,6 +94,9 @@ SERVING_SETTINGS = {
     # Inductor's kernels are loaded from the generation, not compiled: no compile-worker pool
     # to start (seconds), and a compile that still happens stays in this process, counted.
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    # Processes this one starts without the runtime (an engine's helpers, compile workers)
+    # read the generation's relocated Triton cache too, instead of compiling every kernel.
+    "TRITON_CACHE_MANAGER": hooks.TRITON_CACHE_MANAGER,
 }
 
 # Written by the torch-compile warmer from torch.compiler.save_cache_artifacts().

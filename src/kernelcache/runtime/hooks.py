@@ -113,7 +113,7 @@ def _install_triton(strict: bool, poll_seconds: float | None) -> None:
     if poll_seconds is not None:
         watch = TritonCacheWatch(Path(knobs.cache.dir))
         poll_forever(watch.poll, poll_seconds, "kernelcache-triton-cache")
-    if knobs.cache.manager_class is not None:
+    if os.environ.get("TRITON_CACHE_MANAGER", TRITON_CACHE_MANAGER) != TRITON_CACHE_MANAGER:
         log.warning(
             "kernelcache: TRITON_CACHE_MANAGER is set: the generation's Triton cache is read by "
             "that manager (not relocated) and Triton compiles are counted, not refused"

@@ -27,8 +27,9 @@ the files beside the group file instead (``runtime.hooks.triton_cache_manager``)
 
 A serving process uses the generation through ``kernelcache.runtime.install()``, which sets
 ``TRITON_CACHE_DIR=<generation>/files/triton``, ``TRITON_CACHE_AUTOTUNING=1`` (Triton reads an
-autotune result only when caching is on) and that cache manager; without the runtime, set
-``TRITON_CACHE_MANAGER=kernelcache.runtime.hooks:GenerationCacheManager`` with the other two.
+autotune result only when caching is on) and that cache manager, in the environment too
+(``TRITON_CACHE_MANAGER=kernelcache.runtime.hooks:GenerationCacheManager``) so that the
+processes it starts inherit it; without the runtime, set the three yourself.
 """
 
 from __future__ import annotations
