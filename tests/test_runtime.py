@@ -20,6 +20,7 @@ import sysconfig
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -91,6 +92,25 @@ def serve(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, Samples]
     )
     _, marker, text = proc.stdout.partition("--- metrics\n")
     return proc, parse(text) if marker else {}
+
+
+def skip_to_metrics(stdout: Any) -> None:
+    """Read a serving helper's output up to its metrics marker; fail if it ends first."""
+    for line in stdout:
+        if line == "--- metrics\n":
+            return
+    raise AssertionError("the serving helper ended before printing its metrics")
+
+
+def triton_elsewhere(block: int) -> list[str]:
+    """A process without the kernelcache runtime that compiles the helper's Triton kernel."""
+    return [sys.executable, "-c", f"import runtime_serve; runtime_serve.run_triton({block}, False)"]
+
+
+def helper_env(**env: str) -> dict[str, str]:
+    """``subprocess_env`` with the helpers folder importable (``runtime_serve``)."""
+    pythonpath = os.pathsep.join([str(HELPER.parent), subprocess_env()["PYTHONPATH"]])
+    return subprocess_env(PYTHONPATH=pythonpath, **env)
 
 
 @pytest.fixture
@@ -420,8 +440,7 @@ def test_metrics_endpoint_serves_every_series_with_its_labels(cute_generation, t
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"serving {port}"
-        while proc.stdout.readline() != "--- metrics\n":
-            pass
+        skip_to_metrics(proc.stdout)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             samples = parse(response.read().decode())
     finally:
@@ -595,11 +614,10 @@ def test_a_triton_compile_in_another_process_sharing_the_cache_is_counted_once(t
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"serving {port}"
-        while proc.stdout.readline() != "--- metrics\n":
-            pass
+        skip_to_metrics(proc.stdout)
         elsewhere = subprocess.run(  # a worker: the same cache, no kernelcache runtime
-            [sys.executable, "-c", "import runtime_serve; runtime_serve.run_triton(256, False)"],
-            env=subprocess_env(TRITON_CACHE_DIR=str(cache), PYTHONPATH=str(HELPER.parent)),
+            triton_elsewhere(256),
+            env=helper_env(TRITON_CACHE_DIR=str(cache)),
             capture_output=True,
             text=True,
             timeout=300,
@@ -622,11 +640,8 @@ def test_processes_started_by_a_serving_process_read_the_relocated_triton_cache(
     it finds the generation's kernels; with Triton's own manager it compiles them again over
     the generation's files, in place, where no new entry shows it."""
     staging = tmp_path / "staging"
-    child = [sys.executable, "-c", "import runtime_serve; runtime_serve.run_triton(128, False)"]
-    pythonpath = os.pathsep.join([str(HELPER.parent), subprocess_env()["PYTHONPATH"]])
-    compiled = subprocess.run(
-        child, env=subprocess_env(TRITON_CACHE_DIR=str(staging), PYTHONPATH=pythonpath)
-    )
+    child = triton_elsewhere(128)
+    compiled = subprocess.run(child, env=helper_env(TRITON_CACHE_DIR=str(staging)))
     assert compiled.returncode == 0
     files = {f"triton/{p.relative_to(staging)}": p.read_bytes() for p in staging.rglob("*.*")}
     shutil.rmtree(staging)  # gone, as the warm's staging dir is
@@ -646,7 +661,7 @@ def test_processes_started_by_a_serving_process_read_the_relocated_triton_cache(
         written = group.read_bytes()
         proc = subprocess.run(
             [sys.executable, "-c", parent, manager],
-            env=subprocess_env(KERNELCACHE_DIR=str(generation), PYTHONPATH=pythonpath),
+            env=helper_env(KERNELCACHE_DIR=str(generation)),
             capture_output=True,
             text=True,
             timeout=300,

@@ -148,7 +148,7 @@ class TritonCacheWatch:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._done = self._entries()
-        self._grouped: set[str] = set()  # new entries whose group file appeared last poll
+        self._grouped: dict[str, list[str]] = {}  # new entries with group files: their kernels
 
     def _entries(self) -> set[str]:
         try:
@@ -156,17 +156,22 @@ class TritonCacheWatch:
         except OSError:
             return set()  # not created yet
 
+    def _kernels(self, entry: str) -> list[str]:
+        return [
+            group.name.removeprefix("__grp__").removesuffix(".json")
+            for group in (self.root / entry).glob("__grp__*.json")
+        ]
+
     def poll(self) -> None:
-        for entry in sorted(self._grouped):
+        for entry, kernels in sorted(self._grouped.items()):
             if entry not in compiled_here:
-                for group in (self.root / entry).glob("__grp__*.json"):
-                    kernel = group.name.removeprefix("__grp__").removesuffix(".json")
+                for kernel in kernels:
                     metrics.record_compile_elsewhere("triton", kernel)
-        self._done |= self._grouped
+        self._done |= self._grouped.keys()
         # an entry without a group file is still being written, or holds no kernel (autotune
         # results): looked at again next poll
-        new = self._entries() - self._done
-        self._grouped = {e for e in new if any((self.root / e).glob("__grp__*.json"))}
+        new = {entry: self._kernels(entry) for entry in self._entries() - self._done}
+        self._grouped = {entry: kernels for entry, kernels in new.items() if kernels}
 
 
 def poll_forever(poll: Callable[[], None], interval: float, name: str) -> threading.Thread:
