@@ -11,7 +11,8 @@ tests run it. ``warm(workload)`` is the entry point named in ``examples/serving-
 ``main()`` plays the serving process: it loads the Mega-Cache before the first compiled call,
 from ``--megacache FILE`` (``torch.compiler.load_cache_artifacts``, the contract itself) or
 through ``kernelcache.runtime`` when ``KERNELCACHE_DIR`` is set, compiles, and prints
-inductor's cache counters as one JSON line. It exits 0 only when inductor compiled no graph:
+inductor's cache counters as one JSON line (with the runtime, also the compiles it counted:
+Triton kernels compiled or tuned again count there). It exits 0 only when nothing compiled:
 
     python examples/torch_models.py --megacache <generation>/files/torch-compile/megacache.bin
 """
@@ -112,7 +113,7 @@ def warm(workload: Mapping[str, Any]) -> list[str]:
     return names
 
 
-def _install_runtime() -> None:
+def _install_runtime() -> bool:
     """Let ``kernelcache.runtime`` load the generation's caches, where it offers that."""
     from kernelcache import runtime
 
@@ -121,8 +122,15 @@ def _install_runtime() -> None:
         print(
             "torch_models: kernelcache.runtime has no install(); no cache loaded", file=sys.stderr
         )
-        return
+        return False
     install()
+    return True
+
+
+def _runtime_compiles() -> int:
+    from kernelcache.runtime import metrics
+
+    return int(sum(metrics.cold_compiles().values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--megacache", type=Path, help="a megacache.bin to load first")
     args = parser.parse_args(argv)
+    counted = False
     if args.megacache is not None:
         torch.compiler.load_cache_artifacts(args.megacache.read_bytes())
     elif os.environ.get("KERNELCACHE_DIR"):
-        _install_runtime()
+        counted = _install_runtime()
     from torch._dynamo.utils import counters
 
     start = time.perf_counter()
@@ -148,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         **{k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
         **{k: counters["aot_autograd"][k] for k in ("autograd_cache_hit", "autograd_cache_miss")},
     }
+    if counted:
+        stats["runtime_compiles"] = _runtime_compiles()
     print(json.dumps(stats))
-    return 0 if stats["fxgraph_cache_miss"] == 0 else 1
+    return 0 if stats["fxgraph_cache_miss"] == 0 and not stats.get("runtime_compiles") else 1
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, SpecError
-from kernelcache.runtime import RuntimeConfig, metrics
+from kernelcache.runtime import RuntimeConfig, hooks, metrics
 from kernelcache.runtime.hooks import BuildLogTail
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
@@ -333,6 +333,26 @@ def test_when_imported_runs_after_the_module_and_leaves_it_its_loader(tmp_path, 
     monkeypatch.delitem(sys.modules, "kc_probe_module")
 
 
+def test_when_imported_survives_a_find_spec_probe_before_the_import(tmp_path, monkeypatch):
+    """torch asks ``importlib.util.find_spec("triton")`` before it imports Triton: the probe
+    finds the module without running it, and the import after it must still notify, once."""
+    import importlib.util
+
+    (tmp_path / "kc_probed_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("kc_probed_module", lambda module: seen.append(module.VALUE))
+    assert importlib.util.find_spec("kc_probed_module") is not None
+    assert seen == []
+    import kc_probed_module  # type: ignore[import-not-found]  # noqa: F401
+
+    assert seen == [1]
+    monkeypatch.delitem(sys.modules, "kc_probed_module")
+    importlib.import_module("kc_probed_module")  # imported again: callbacks ran already
+    assert seen == [1]
+    monkeypatch.delitem(sys.modules, "kc_probed_module")
+
+
 # --------------------------------------------------------------------------- cute-dsl
 
 
@@ -546,6 +566,39 @@ def test_torch_compile_on_a_gpu_serves_from_the_megacache(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert kernels(warm, "inductor") == {}
     assert total(warm, "kernelcache_cache_hits_total", toolchain="inductor") == 1
+
+
+@needs_triton
+def test_tuned_kernels_from_a_generation_are_final_and_found_in_this_processes_cache(
+    tmp_path, monkeypatch
+):
+    """Inductor's own autotuner, patched as serving patches it. A kernel whose config was a
+    hit in the generation's autotune cache is not tuned again; one that was not is. A kernel
+    bundled with a cached graph names its module by the warm's staging path; its tuned config
+    is looked up beside the module in this process's inductor cache instead."""
+    from torch._inductor.runtime import triton_heuristics
+
+    autotuner = triton_heuristics.CachingAutotuner
+    tuned, looked_up = [], []
+    monkeypatch.setattr(
+        autotuner, "coordinate_descent_tuning", lambda self, launcher: tuned.append(launcher)
+    )
+    monkeypatch.setattr(
+        autotuner, "recheck_autotune_cache", lambda self, **_: looked_up.append(self.filename)
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    hooks._keep_tuned_configs(triton_heuristics)
+
+    kernel = object.__new__(autotuner)
+    kernel.autotune_cache_info = {"autotune_cache_state": "hit"}
+    assert kernel.coordinate_descent_tuning("launcher") == "launcher" and tuned == []
+    kernel.autotune_cache_info = {"autotune_cache_state": "miss"}
+    kernel.coordinate_descent_tuning("launcher")
+    assert tuned == ["launcher"]
+
+    kernel.filename = "/store/staging-gone/files/inductor/q3/cq36s62upuwf.py"
+    kernel.recheck_autotune_cache(reload_kernel_from_src=None)
+    assert looked_up == [str(tmp_path / "inductor" / "q3" / "cq36s62upuwf.py")]
 
 
 # --------------------------------------------------------------------------- triton

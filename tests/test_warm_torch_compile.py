@@ -34,6 +34,14 @@ CPU_WORKLOAD = {
     "device": "cpu",
 }
 KEY = "default/tc/sm_90a"
+# max-autotune on a GPU: GEMM templates benchmarked against cuBLAS, pointwise kernels tuned.
+GPU_WORKLOAD = {
+    "batch_sizes": [8],
+    "features": 256,
+    "hidden": 1024,
+    "dtype": "bfloat16",
+    "device": "cuda",
+}
 
 
 def cuda_available() -> bool:
@@ -42,6 +50,13 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def gpu_arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
 def write_spec(tmp_path: Path, warmer: dict[str, Any], arch: str = "sm_90a") -> Path:
@@ -109,40 +124,55 @@ def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothi
     assert cold["fxgraph_cache_miss"] >= 1 and cold["fxgraph_cache_hit"] == 0
 
 
+def build_and_materialize(tmp_path: Path, workload: dict[str, Any], arch: str) -> Path:
+    """Build, then copy the generation out as the init-container does, elsewhere than the
+    warm's staging dir (gone once published, as on another node)."""
+    spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": workload}, arch)
+    store = Store(tmp_path / "store")
+    proc = kernelcache("build", "-f", str(spec), "--store", str(store.root))
+    assert proc.returncode == 0, proc.stderr
+    key = f"default/tc/{arch}"
+    manifest = store.current_manifest(key)
+    assert manifest is not None
+    return materialize(store.current(key), manifest, tmp_path / "serve")
+
+
+def serve_from_generation(
+    generation: Path, workload: dict[str, Any], **env: str
+) -> tuple[int, dict[str, Any], str]:
+    """examples/torch_models.py through ``kernelcache.runtime``: exit code, counters, stderr."""
+    example = [sys.executable, str(EXAMPLES / "torch_models.py")]
+    run = subprocess.run(
+        [*example, "--workload", json.dumps(workload)],
+        env=subprocess_env(KERNELCACHE_DIR=str(generation), **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return run.returncode, json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
 def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob(tmp_path):
     """The runtime serves inductor from the materialized ``files/inductor`` and leaves the
     Mega-Cache alone (loading it would put the first warm process's autotune results back
     over what the replays wrote). The blob is damaged here to show whether it was read: served
     from the generation's own cache, nothing notices; pointed at a cache dir of the user's,
     the runtime loads the blob, torch says it cannot, and the model compiles."""
-    spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": CPU_WORKLOAD})
-    store = Store(tmp_path / "store")
-    proc = kernelcache("build", "-f", str(spec), "--store", str(store.root))
-    assert proc.returncode == 0, proc.stderr
-    manifest = store.current_manifest(KEY)
-    assert manifest is not None
-    generation = materialize(store.current(KEY), manifest, tmp_path / "serve")
+    generation = build_and_materialize(tmp_path, CPU_WORKLOAD, "sm_90a")
     blob = generation / "files" / "torch-compile" / "megacache.bin"
     blob.write_bytes(blob.read_bytes()[:100])
 
-    def serve_from_generation(**env: str) -> tuple[int, dict[str, Any], str]:
-        example = [sys.executable, str(EXAMPLES / "torch_models.py")]
-        run = subprocess.run(
-            [*example, "--workload", json.dumps(CPU_WORKLOAD)],
-            env=subprocess_env(KERNELCACHE_DIR=str(generation), **env),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        return run.returncode, json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
-
-    code, counters, stderr = serve_from_generation()
+    code, counters, stderr = serve_from_generation(generation, CPU_WORKLOAD)
     assert code == 0, stderr
     assert counters["fxgraph_cache_hit"] >= 1 and counters["fxgraph_cache_miss"] == 0
+    assert counters["runtime_compiles"] == 0
     assert "un-pickle cache artifacts" not in stderr  # torch's own line for a damaged blob
 
-    code, counters, stderr = serve_from_generation(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "own"))
+    code, counters, stderr = serve_from_generation(
+        generation, CPU_WORKLOAD, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "own")
+    )
     assert code == 1 and counters["fxgraph_cache_miss"] >= 1
+    assert counters["runtime_compiles"] >= 1
     assert "Failed to un-pickle cache artifacts" in stderr
 
 
@@ -160,24 +190,26 @@ def test_a_warm_that_compiles_nothing_fails_in_one_line(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (max-autotune compiles for it)")
 def test_max_autotune_on_the_gpu_is_served_from_the_megacache(tmp_path):
-    import torch
-
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-    workload = {
-        "batch_sizes": [8],
-        "features": 256,
-        "hidden": 1024,
-        "dtype": "bfloat16",
-        "device": "cuda",
-    }
-    report, served, cold = build_and_serve(tmp_path, workload, arch)
+    report, served, cold = build_and_serve(tmp_path, GPU_WORKLOAD, gpu_arch())
     assert report["compiled"] == 1 and report["megacache"]["inductor"] == 1
     assert "triton" in report["dirs"]
     assert report["replays"][-1] == 0  # tuned kernels are not tuned again in serving
     assert served["fxgraph_cache_hit"] >= 1 and served["fxgraph_cache_miss"] == 0
     assert cold["fxgraph_cache_miss"] >= 1
     assert served["seconds"] < cold["seconds"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (max-autotune tunes on it)")
+def test_a_copy_of_a_max_autotune_generation_serves_without_compiling_or_tuning(tmp_path):
+    """Max-autotune tunes the pointwise kernels at their first launch, and inductor bundles
+    them with the cached graph under the path they had in the warm's staging dir. A fresh
+    process serving a copy of the generation, that path gone, finds every tuned config: the
+    runtime counts no Triton compile (a kernel tuned again compiles its new configs)."""
+    generation = build_and_materialize(tmp_path, GPU_WORKLOAD, gpu_arch())
+    code, counters, stderr = serve_from_generation(generation, GPU_WORKLOAD)
+    assert code == 0, stderr
+    assert counters["fxgraph_cache_hit"] >= 1 and counters["runtime_compiles"] == 0
 
 
 def test_replays_stop_after_the_limit_and_say_serving_may_still_compile(tmp_path):

@@ -277,6 +277,11 @@ def keep_tuned_configs() -> None:
     would then re-tune from the saved best config, compile each neighbour it tries, and
     pick its own winner from noisy timings. A cache hit is already the warm's tuned result
     (inductor itself skips its RBLOCK rescaling on a hit for the same reason).
+
+    Kernels that inductor bundled with a cached graph come back as pickled autotuners that
+    still name their module by the path it had in the warm's staging dir, and they look up
+    their tuned config beside it: a miss wherever that path is gone (every pod), so they
+    were tuned and compiled again. Their lookup is made in this process's inductor cache.
     """
     when_imported("torch._inductor.runtime.triton_heuristics", _keep_tuned_configs)
 
@@ -294,6 +299,26 @@ def _keep_tuned_configs(heuristics: ModuleType) -> None:
         return tune(self, launcher, *args, **kwargs)
 
     autotuner.coordinate_descent_tuning = coordinate_descent_tuning
+    recheck = getattr(autotuner, "recheck_autotune_cache", None)
+    if recheck is None:  # a torch that bundles no autotuners
+        return
+
+    def recheck_autotune_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.filename = kernel_module_here(self.filename)
+        return recheck(self, *args, **kwargs)
+
+    autotuner.recheck_autotune_cache = recheck_autotune_cache
+
+
+def kernel_module_here(filename: str | None) -> str | None:
+    """A kernel module's path in this process's inductor cache (``<cache>/<xx>/<name>.py``,
+    where inductor writes every kernel module it loads), wherever it was written first."""
+    if filename is None:
+        return None
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    module = Path(filename)
+    return str(Path(cache_dir()) / module.parent.name / module.name)
 
 
 class _FrameCompile(threading.local):

@@ -28,10 +28,10 @@ Callback = Callable[[ModuleType], None]
 class _NotifyingLoader(importlib.abc.Loader):
     """Wraps a module's real loader for one import; the module only ever sees the real one."""
 
-    def __init__(self, loader: Any, name: str, callbacks: list[Callback]) -> None:
+    def __init__(self, loader: Any, name: str, watcher: _Watcher) -> None:
         self._loader = loader
         self._name = name
-        self._callbacks = callbacks
+        self._watcher = watcher
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._loader, attr)
@@ -45,12 +45,17 @@ class _NotifyingLoader(importlib.abc.Loader):
             module.__spec__.loader = self._loader
         module.__loader__ = self._loader
         self._loader.exec_module(module)
-        for callback in self._callbacks:
+        for callback in self._watcher.take(self._name):
             _run(callback, self._name, module)
 
 
 class _Watcher(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path``; answers only for watched names, once each."""
+    """First on ``sys.meta_path``; answers only for watched names until they are imported.
+
+    A name's callbacks are taken when its module runs, not when its spec is found: a probe
+    such as ``importlib.util.find_spec("triton")`` (torch asks that before importing Triton)
+    finds a spec and imports nothing, and the import that follows must still notify.
+    """
 
     def __init__(self) -> None:
         self.callbacks: dict[str, list[Callback]] = {}
@@ -60,16 +65,18 @@ class _Watcher(importlib.abc.MetaPathFinder):
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         with self.lock:
-            callbacks = self.callbacks.pop(fullname, None)  # popped: the search below skips us
-        if callbacks is None:
-            return None
+            if fullname not in self.callbacks:
+                return None
         spec = _find_elsewhere(self, fullname, path, target)
         if spec is None or spec.loader is None:
-            with self.lock:  # not importable (yet): keep watching
-                self.callbacks.setdefault(fullname, []).extend(callbacks)
             return None
-        spec.loader = _NotifyingLoader(spec.loader, fullname, callbacks)
+        spec.loader = _NotifyingLoader(spec.loader, fullname, self)
         return spec
+
+    def take(self, name: str) -> list[Callback]:
+        """The callbacks of ``name``, once: its module has run."""
+        with self.lock:
+            return self.callbacks.pop(name, [])
 
 
 def _find_elsewhere(
