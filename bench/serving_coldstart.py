@@ -306,6 +306,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.bar([x + 0.2 for x in xs], warm, width=0.4, label="warm (kernelcache generation)")
     ax.set_xticks(list(xs), names)
     ax.set_yscale("log")
+    ax.set_ylim(top=max(cold) * 4)  # room for the labels above the tallest bar
     ax.set_ylabel("first call to result, seconds (log)")
     for x, (c, w) in enumerate(zip(cold, warm, strict=True)):
         ax.annotate(f"{c / w:.0f}x", (x, max(c, w)), ha="center", va="bottom")

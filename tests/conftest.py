@@ -10,8 +10,10 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -73,3 +75,20 @@ def write_warmer_spec(
     spec = tmp_path / "kc.yaml"
     spec.write_text(yaml.safe_dump(doc))
     return spec
+
+
+T = TypeVar("T")
+
+
+def wait_until(
+    check: Callable[[], T], timeout: float = 30.0, what: str = "", interval: float = 0.05
+) -> T:
+    """Poll until ``check`` returns something truthy; fail with its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}: last {value!r}")
+        time.sleep(interval)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp.web
 import attrs
@@ -38,28 +38,12 @@ from kubernetes import config as kube_config
 from kernelcache.operator.kube import Kube, jobs_path, path
 from kernelcache.operator.manifests import LABEL_ARCH, peering_crds
 from kernelcache.spec import crd_manifest
-from tests.conftest import subprocess_env
+from tests.conftest import subprocess_env, wait_until
 from tests.k8s_emulator import KubernetesEmulator, serving
-
-T = TypeVar("T")
 
 # Hooks get the request and the token it carried ("" for none).
 BeforeHook = Callable[[Request, str], bool]  # False: the request is lost, never served
 AfterHook = Callable[[Request, str], None]
-
-
-def wait_until(
-    check: Callable[[], T], timeout: float = 30.0, what: str = "", interval: float = 0.05
-) -> T:
-    """Poll until ``check`` returns something truthy; fail with its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}: last {value!r}")
-        time.sleep(interval)
 
 
 def token_of(request: Request) -> str:

@@ -31,8 +31,7 @@ from kernelcache.runtime import RuntimeConfig, hooks, metrics
 from kernelcache.runtime.hooks import BuildLogTail
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
-from tests.conftest import EXAMPLES, REPO, needs_cute, subprocess_env
-from tests.operator_process import wait_until
+from tests.conftest import EXAMPLES, REPO, needs_cute, subprocess_env, wait_until
 from tests.test_build import SMALL_WORKLOAD, kernelcache, write_spec
 
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"

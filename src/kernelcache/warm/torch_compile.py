@@ -22,7 +22,9 @@ On a GPU, max-autotune also tunes pointwise and reduction kernels at their first
 (coordinate descent), and writes the winners to the autotune cache. Serving takes a saved
 winner as final (``hooks.keep_tuned_configs``); the warm then replays the entry points in
 fresh processes set up as serving is, each adding what it compiled, until one compiles
-nothing (at most ``MAX_REPLAYS``); the report lists each replay's compile count.
+nothing (at most ``MAX_REPLAYS``); the report lists each replay's compile count. Replays run
+in the staging dir itself, so they cannot show a lookup bound to its path: inductor's bundled
+autotuners keep that path, and serving looks their tuned configs up in its own copy instead.
 """
 
 from __future__ import annotations
