@@ -302,23 +302,25 @@ def _keep_tuned_configs(heuristics: ModuleType) -> None:
     recheck = getattr(autotuner, "recheck_autotune_cache", None)
     if recheck is None:  # a torch that bundles no autotuners
         return
+    try:
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    except ImportError:
+        log.warning("kernelcache: unknown inductor cache layout: bundled kernels may re-tune")
+        return
 
     def recheck_autotune_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self.filename = kernel_module_here(self.filename)
+        if self.filename is not None:
+            self.filename = kernel_module_in(Path(cache_dir()), self.filename)
         return recheck(self, *args, **kwargs)
 
     autotuner.recheck_autotune_cache = recheck_autotune_cache
 
 
-def kernel_module_here(filename: str | None) -> str | None:
-    """A kernel module's path in this process's inductor cache (``<cache>/<xx>/<name>.py``,
+def kernel_module_in(cache: Path, filename: str) -> str:
+    """A kernel module's path in the inductor cache ``cache`` (``<cache>/<xx>/<name>.py``,
     where inductor writes every kernel module it loads), wherever it was written first."""
-    if filename is None:
-        return None
-    from torch._inductor.runtime.runtime_utils import cache_dir
-
     module = Path(filename)
-    return str(Path(cache_dir()) / module.parent.name / module.name)
+    return str(cache / module.parent.name / module.name)
 
 
 class _FrameCompile(threading.local):
