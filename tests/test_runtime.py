@@ -575,6 +575,9 @@ def test_tuned_kernels_from_a_generation_are_final_and_found_in_this_processes_c
     hit in the generation's autotune cache is not tuned again; one that was not is. A kernel
     bundled with a cached graph names its module by the warm's staging path; its tuned config
     is looked up beside the module in this process's inductor cache instead."""
+    # set first: importing inductor writes its default cache dir into this process's
+    # environment, which the tests after this one hand to their children
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     from torch._inductor.runtime import triton_heuristics
 
     autotuner = triton_heuristics.CachingAutotuner
@@ -585,7 +588,6 @@ def test_tuned_kernels_from_a_generation_are_final_and_found_in_this_processes_c
     monkeypatch.setattr(
         autotuner, "recheck_autotune_cache", lambda self, **_: looked_up.append(self.filename)
     )
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     hooks._keep_tuned_configs(triton_heuristics)
 
     kernel = object.__new__(autotuner)
