@@ -57,23 +57,32 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def kernelcache_doc(
+    name: str, namespace: str | None = None, arches: tuple[str, ...] = ("sm_90a",), **spec: Any
+) -> dict[str, Any]:
+    """A KernelCache of one GPU class per arch and the demo CuTe-DSL warmer; ``spec`` adds or
+    replaces fields of its spec. Without a namespace, the CLI files it under ``default``."""
+    metadata = {"name": name} if namespace is None else {"name": name, "namespace": namespace}
+    return {
+        "apiVersion": "kernelcache.dev/v1alpha1",
+        "kind": "KernelCache",
+        "metadata": metadata,
+        "spec": {
+            "model": "example/model",
+            "engine": {"image": "ghcr.io/kernelcache/examples:0.1.0"},
+            "gpuClasses": [{"name": a.replace("_", "-"), "arch": a} for a in arches],
+            "warmers": [{"type": "cute-dsl", "entryPoints": ["demo_kernels:warm"]}],
+            **spec,
+        },
+    }
+
+
 def write_warmer_spec(
     tmp_path: Path, warmer: dict[str, Any], arch: str = "sm_90a", name: str = "kc"
 ) -> Path:
     """A one-arch KernelCache with a single warmer, written to ``tmp_path/kc.yaml``."""
-    doc = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": name},
-        "spec": {
-            "model": f"example/{name}",
-            "engine": {"image": "example:1"},
-            "gpuClasses": [{"name": "gpu", "arch": arch}],
-            "warmers": [warmer],
-        },
-    }
     spec = tmp_path / "kc.yaml"
-    spec.write_text(yaml.safe_dump(doc))
+    spec.write_text(yaml.safe_dump(kernelcache_doc(name, arches=(arch,), warmers=[warmer])))
     return spec
 
 

@@ -178,24 +178,6 @@ def api_harness(tmp: Path) -> Iterator[ApiHarness]:
                 operator.kill()
 
 
-def kernelcache(
-    name: str, namespace: str, arches: tuple[str, ...] = ("sm_90a",), **spec: Any
-) -> dict[str, Any]:
-    """A KernelCache of one GPU class per arch and one warmer; ``spec`` adds or replaces."""
-    return {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": "example/model",
-            "engine": {"image": "ghcr.io/kernelcache/examples:0.1.0"},
-            "gpuClasses": [{"name": a.replace("_", "-"), "arch": a} for a in arches],
-            "warmers": [{"type": "cute-dsl", "entryPoints": ["demo_kernels:warm"]}],
-            **spec,
-        },
-    }
-
-
 def result_generation(job_name: str) -> str:
     """The generation a succeeded compile Job publishes (what its status must then show)."""
     return f"gen-{job_name}"

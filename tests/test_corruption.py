@@ -55,7 +55,7 @@ from kernelcache.store import (
 )
 from kernelcache.warm import CACHE_ENV
 
-from .conftest import needs_cute, one_line_error, run_kernelcache
+from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache
 
 pytestmark = [
     needs_cute,
@@ -134,17 +134,12 @@ def warmers(generation: int) -> list[dict[str, Any]]:
 
 
 def write_spec(directory: Path, generation: int) -> Path:
-    doc = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": "corrupt", "namespace": "ci"},
-        "spec": {
-            "model": "test/corrupt",
-            "engine": {"image": "example:1"},
-            "gpuClasses": [{"name": "rtx-pro-6000", "arch": ARCH, "smCount": 188}],
-            "warmers": warmers(generation),
-        },
-    }
+    doc = kernelcache_doc(
+        "corrupt",
+        "ci",
+        gpuClasses=[{"name": "rtx-pro-6000", "arch": ARCH, "smCount": 188}],
+        warmers=warmers(generation),
+    )
     spec = directory / f"kc-{generation}.yaml"
     spec.write_text(yaml.safe_dump(doc))
     return spec

@@ -51,8 +51,8 @@ from kernelcache.operator.manifests import (
     spec_digest,
 )
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import subprocess_env
-from tests.operator_process import api_harness, finish_job, kernelcache, wait_until
+from tests.conftest import kernelcache_doc, subprocess_env, wait_until
+from tests.operator_process import api_harness, finish_job
 from tests.test_chart import HELM, VALUES, _granted, render
 from tests.test_initcontainer import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
 
@@ -65,7 +65,7 @@ SIGNED = {"verification": {"signing": {"enabled": True, "secretName": "kc-keys"}
 
 def kernelcache_body(**spec: Any) -> dict[str, Any]:
     """The KernelCache whose generation ``publish`` writes (its namespace, name and image)."""
-    body = kernelcache(
+    body = kernelcache_doc(
         NAME,
         NS,
         engine={"image": IMAGE_NAME, "imageDigest": IMAGE_DIGEST},
@@ -471,8 +471,8 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
 
     namespace = "rbac"
     drop_data = {"deleteDataOnDelete": True}
-    own = kernelcache("own-claim", namespace, retention=drop_data)
-    shared = kernelcache(
+    own = kernelcache_doc("own-claim", namespace, retention=drop_data)
+    shared = kernelcache_doc(
         "shared-claim", namespace, storage={"existingClaim": "shared"}, retention=drop_data
     )
     with api_harness(tmp_path) as api:

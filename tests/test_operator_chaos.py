@@ -48,14 +48,8 @@ from kernelcache.operator.manifests import (
     spec_digest,
 )
 from kernelcache.spec import parse_kernelcache
-from tests.operator_process import (
-    ApiHarness,
-    api_harness,
-    finish_job,
-    kernelcache,
-    result_generation,
-    wait_until,
-)
+from tests.conftest import kernelcache_doc, wait_until
+from tests.operator_process import ApiHarness, api_harness, finish_job, result_generation
 
 SEED = int(os.environ.get("KERNELCACHE_CHAOS_SEED", "20261130"))
 NS = "chaos"
@@ -262,7 +256,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path
         switch = KillSwitch(api)
         api.emulator.before, api.emulator.after = switch.before, switch.after
         for round_ in range(KILLS):
-            body = kernelcache(f"kc-{round_:02d}", NS, ARCHES)
+            body = kernelcache_doc(f"kc-{round_:02d}", NS, ARCHES)
             api.kube.request("POST", kernelcache_path(NS), body=body)
             caches[body["metadata"]["name"]] = expected(SEED, body, MAX_ATTEMPTS)
             finish_some(api.kube, rng, SEED, share=0.3)
@@ -364,7 +358,7 @@ def test_500_kernelcaches_with_random_job_outcomes_end_in_the_right_phase(tmp_pa
         with controller.running():
             rng = random.Random(SEED)
             for i in range(CACHES):
-                body = kernelcache(f"kc-{i:03d}", NS, ARCHES[: rng.randint(1, len(ARCHES))])
+                body = kernelcache_doc(f"kc-{i:03d}", NS, ARCHES[: rng.randint(1, len(ARCHES))])
                 api.kube.request("POST", kernelcache_path(NS), body=body)
                 caches[body["metadata"]["name"]] = expected(SEED, body, SCALE_ATTEMPTS)
             wait_until(

@@ -47,8 +47,8 @@ from kernelcache.operator import metrics  # noqa: E402
 from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
 from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, peering_crds  # noqa: E402
 from kernelcache.spec import crd_manifest  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
-from tests.operator_process import wait_until  # noqa: E402
 
 NS = "default"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kernelcache.yaml"

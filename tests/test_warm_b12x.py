@@ -25,7 +25,7 @@ from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode
 from kernelcache.spec import B12xWorkload
 
-from .conftest import needs_cute, one_line_error, run_kernelcache, subprocess_env
+from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache, subprocess_env
 
 pytestmark = needs_cute
 
@@ -49,20 +49,14 @@ WORKLOAD = {
 
 
 def b12x_spec(path: Path, gpu: dict[str, Any] | None = None, **workload: Any) -> Path:
-    doc = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": "tiny-moe", "namespace": "ci"},
-        "spec": {
-            "model": "test/tiny-moe-nvfp4",
-            "engine": {"image": "vllm/vllm-openai:test"},
-            "gpuClasses": [
-                gpu
-                or {"name": "rtx-pro-6000", "arch": ARCH, "smCount": SM_COUNT, "compileOn": "cpu"}
-            ],
-            "warmers": [{"type": "b12x", "workload": {**WORKLOAD, **workload}}],
-        },
-    }
+    gpu = gpu or {"name": "rtx-pro-6000", "arch": ARCH, "smCount": SM_COUNT, "compileOn": "cpu"}
+    doc = kernelcache_doc(
+        "tiny-moe",
+        "ci",
+        model="test/tiny-moe-nvfp4",
+        gpuClasses=[gpu],
+        warmers=[{"type": "b12x", "workload": {**WORKLOAD, **workload}}],
+    )
     path.write_text(yaml.safe_dump(doc))
     return path
 
