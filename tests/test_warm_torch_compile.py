@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kernelcache.errors import ExitCode
-from kernelcache.store import Store, materialize
+from kernelcache.store import Manifest, Store, materialize
 from kernelcache.warm.torch_compile import MAX_REPLAYS
 from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
@@ -86,22 +86,28 @@ def counters_of(proc: subprocess.Popen) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(lines[-1])
 
 
-def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[dict, dict, dict]:
-    """Build, then serve with and without the Mega-Cache (side by side); the three reports."""
+def build(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[Path, Manifest]:
+    """``kernelcache build`` of the torch_models entry point: the generation and its manifest."""
     spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": workload}, arch)
-    store = tmp_path / "store"
-    proc = kernelcache("build", "-f", str(spec), "--store", str(store))
+    store = Store(tmp_path / "store")
+    proc = kernelcache("build", "-f", str(spec), "--store", str(store.root))
     assert proc.returncode == 0, proc.stderr
     key = f"default/tc/{arch}"
-    manifest = Store(store).current_manifest(key)
-    assert manifest is not None
+    generation, manifest = store.current(key), store.current_manifest(key)
+    assert generation is not None and manifest is not None
+    return generation, manifest
+
+
+def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[dict, dict, dict]:
+    """Build, then serve with and without the Mega-Cache (side by side); the three reports."""
+    generation, manifest = build(tmp_path, workload, arch)
     paths = {f.path for f in manifest.files}
     assert {"torch-compile/megacache.bin", "torch-compile/megacache.json"} <= paths
     assert any(p.startswith("inductor/fxgraph/") for p in paths)
     assert any(p.startswith("inductor/aotautograd/") for p in paths)
     (report,) = manifest.report["warmers"]
 
-    megacache = Store(store).current(key) / "files" / "torch-compile" / "megacache.bin"
+    megacache = generation / "files" / "torch-compile" / "megacache.bin"
     with_cache = serve(tmp_path / "served-with", workload, megacache)
     without = serve(tmp_path / "served-without", workload, None)
     code_with, hits = counters_of(with_cache)
@@ -127,14 +133,7 @@ def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothi
 def build_and_materialize(tmp_path: Path, workload: dict[str, Any], arch: str) -> Path:
     """Build, then copy the generation out as the init-container does, elsewhere than the
     warm's staging dir (gone once published, as on another node)."""
-    spec = write_spec(tmp_path, {"entryPoints": ["torch_models:warm"], "workload": workload}, arch)
-    store = Store(tmp_path / "store")
-    proc = kernelcache("build", "-f", str(spec), "--store", str(store.root))
-    assert proc.returncode == 0, proc.stderr
-    key = f"default/tc/{arch}"
-    manifest = store.current_manifest(key)
-    assert manifest is not None
-    return materialize(store.current(key), manifest, tmp_path / "serve")
+    return materialize(*build(tmp_path, workload, arch), tmp_path / "serve")
 
 
 def serve_from_generation(
