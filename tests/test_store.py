@@ -578,11 +578,14 @@ def test_verify_manifest_problems(store: Store, tmp_path: Path) -> None:
     # file is still caught by the content id.
     edited = json.loads(data)
     del edited["checksum"]
+    entry_size = edited["files"][0]["size"]
     edited["files"][0]["size"] += 1
     manifest_path.write_bytes(json.dumps(edited).encode())
-    codes = [p.code for p in verify(gen_dir).problems]
-    assert codes[0] == ExitCode.INTEGRITY
-    assert "does not match its content" in verify(gen_dir).problems[0].message
+    problems = verify(gen_dir).problems
+    assert [p.code for p in problems] == [ExitCode.INTEGRITY] * 2
+    entry = edited["files"][0]["path"]
+    assert problems[0].message.endswith(f"{entry}: size {entry_size} != manifest {entry_size + 1}")
+    assert "does not match its content" in problems[1].message
 
 
 MANIFEST_FLIPS = 1000

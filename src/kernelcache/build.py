@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode
+from kernelcache.errors import ExitCode, StorageError, one_line
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
 from kernelcache.warm import make_warmers, run_warmers
@@ -155,25 +155,40 @@ def _warm_in_subprocess(
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if result_path.exists():
             return ArchResult(**json.loads(result_path.read_text()))
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        lines = [one_line(line) for line in proc.stderr.splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        ours = last.startswith("kernelcache: error: ")
         return ArchResult(
             arch=arch,
             status="failed",
             seconds=round(time.perf_counter() - start, 3),
-            exit_code=proc.returncode or int(ExitCode.FAILURE),
-            message=lines[-1] if lines else f"warm process exited with {proc.returncode}",
+            exit_code=_failure_class(proc.returncode, ours),
+            message=last.removeprefix("kernelcache: error: ")
+            or f"warm process exited with {proc.returncode}",
         )
 
 
+def _failure_class(returncode: int, ours: bool) -> int:
+    """The warm process's exit code when kernelcache itself reported the failure; anything
+    else (a warmer that ended the process, a signal) is a failed warm, never another class."""
+    documented = returncode in set(ExitCode) - {ExitCode.OK}
+    return returncode if ours and documented else int(ExitCode.WARM_FAILED)
+
+
 def write_result(path: Path, result: ArchResult) -> None:
-    path.write_text(json.dumps(asdict(result)))
+    try:
+        path.write_text(json.dumps(asdict(result)))
+    except OSError as exc:
+        message = f"{path}: cannot write the result: {exc.strerror}"
+        raise StorageError(message, path=str(path)) from exc
 
 
 def check_environment(manifest: Manifest, arch: str | None = None) -> None:
     """Refuse a generation whose stamp differs from this environment, naming the factor."""
     recorded = stamps.Stamp.from_dict(manifest.stamp)
     here = stamps.environment_stamp(recorded, arch)
-    error = stamps.stamp_mismatch(stamps.explain(recorded, here))
+    sides = (stamps.generation_side(manifest.generation), stamps.ENVIRONMENT_SIDE)
+    error = stamps.stamp_mismatch(stamps.explain(recorded, here), sides)
     if error is not None:
         raise error
 

@@ -18,7 +18,9 @@ from kernelcache.errors import (
     EXIT_CODE_HELP,
     ExitCode,
     KernelCacheError,
+    MissingGenerationError,
     SpecError,
+    one_line,
 )
 
 
@@ -79,9 +81,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         status.update(f"warming {kc.metadata.name} for {arch} …")
 
     def done(result: build.ArchResult) -> None:
+        from rich.markup import escape
+
         mark = "[red]✗[/]" if result.status == "failed" else "[green]✓[/]"
         detail = result.message if result.status == "failed" else f"{result.files} files"
-        err.print(f"{mark} {result.arch}: {result.status} in {result.seconds:.1f} s ({detail})")
+        line = f"{result.arch}: {result.status} in {result.seconds:.1f} s ({one_line(detail)})"
+        err.print(f"{mark} {escape(line)}")
 
     try:
         results = build.build(
@@ -111,7 +116,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     _console().print(table)
     for r in results:
         if r.status == "failed":
-            print(f"kernelcache: error: {r.arch}: {r.message}", file=sys.stderr)
+            print(f"kernelcache: error: {r.arch}: {one_line(r.message)}", file=sys.stderr)
     return build.result_exit_code(results)
 
 
@@ -122,6 +127,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
     kc = _load_spec(args.file)
     (arch,) = _arches(kc, [args.arch])
+    if args.result is not None:
+        _check_output_dir(args.result, "--result")
     result = build.warm_arch(
         kc,
         args.file.resolve().parent,
@@ -178,42 +185,62 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stamp_of(ref: str) -> Any:
-    """The stamp of a manifest file or a generation dir."""
-    from kernelcache import stamp as stamps
-    from kernelcache.store import Manifest
+def _manifest_of(ref: str, store_root: Path | None) -> Any:
+    """The manifest a reference names: a MANIFEST.json or generation dir, or with ``--store``
+    a key (its current generation) or a generation id (or a unique prefix of one)."""
+    from kernelcache.store import MANIFEST_NAME, Manifest
 
     path = Path(ref)
+    if store_root is not None and not path.exists():
+        store = _existing_store(store_root)
+        if ref.count("/") == 2:
+            manifest = store.current_manifest(ref)
+            if manifest is None:
+                raise MissingGenerationError(f"{ref}: no published generation in {store.root}")
+            return manifest
+        found = [m for key in store.keys() for m in store.generations(key)]  # noqa: SIM118
+        matches = {m.generation: m for m in found if ref and m.generation.startswith(ref)}
+        if len(matches) != 1:
+            what = "no generation" if not matches else f"{len(matches)} generations"
+            raise MissingGenerationError(f"{ref}: {what} in {store.root} with this id")
+        return next(iter(matches.values()))
     if path.is_dir():
-        path = path / "MANIFEST.json"
+        path = path / MANIFEST_NAME
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise SpecError(f"{ref}: cannot read: {exc.strerror}") from exc
-    return stamps.Stamp.from_dict(Manifest.parse(data, str(path)).stamp)
+        hint = "" if store_root is not None else " (a key or generation id needs --store)"
+        raise SpecError(f"{ref}: cannot read: {exc.strerror}{hint}") from exc
+    return Manifest.parse(data, str(path))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Name the factors that differ between two stamps (exit 4 when any differ).
 
-    Either side may be ``env``: this environment's stamp, recomputed against the other side.
+    Each side is a generation (a MANIFEST.json, a generation dir, or with --store a key or
+    a generation id) or ``env``: this environment's stamp, recomputed against the other side.
     """
     from kernelcache import stamp as stamps
 
     if args.left == "env" and args.right == "env":
         raise SpecError("explain: at most one side can be 'env'")
-    if args.left == "env":
-        right = _stamp_of(args.right)
-        left = stamps.environment_stamp(right)
-    else:
-        left = _stamp_of(args.left)
-        right = _stamp_of(args.right) if args.right != "env" else stamps.environment_stamp(left)
+    sides = []
+    for ref in (args.left, args.right):
+        if ref == "env":
+            sides.append(None)
+        else:
+            manifest = _manifest_of(ref, args.store)
+            stamp = stamps.Stamp.from_dict(manifest.stamp)
+            sides.append((stamp, stamps.generation_side(manifest.generation)))
+    generation = next(side for side in sides if side is not None)
+    env = (stamps.environment_stamp(generation[0]), stamps.ENVIRONMENT_SIDE)
+    (left, left_side), (right, right_side) = (side or env for side in sides)
     diffs = stamps.explain(left, right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
         return 0
     for diff in diffs:
-        print(diff.describe())
+        print(diff.describe((left_side, right_side)))
     return int(ExitCode.STAMP_MISMATCH)
 
 
@@ -221,10 +248,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """List keys, generations and what the current one holds."""
     from rich.table import Table
 
-    from kernelcache.store import Store
-
-    store = Store(args.store)
-    keys = [args.key] if args.key else store.keys()
+    store = _existing_store(args.store)
+    keys = [_published_key(store, args.key)] if args.key else store.keys()
     rows = []
     for key in keys:
         current = store.current_manifest(key)
@@ -263,10 +288,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove old generations, keeping the newest N and always the current one."""
-    from kernelcache.store import Store
-
-    store = Store(args.store)
-    for key in [args.key] if args.key else store.keys():
+    store = _existing_store(args.store)
+    for key in [_published_key(store, args.key)] if args.key else store.keys():
         removed = store.gc(key, keep=args.keep)
         print(f"{key}: removed {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
     return 0
@@ -291,8 +314,55 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run(verbose=args.verbose)
 
 
+def _existing_store(root: Path) -> Any:
+    """The store at ``root`` for a command that reads one: a root that is missing or is not
+    a directory is an I/O failure (an unmounted volume, a typo), never an empty store."""
+    from kernelcache.initcontainer import check_store_root
+    from kernelcache.store import Store
+
+    store = Store(root)
+    check_store_root(store.root)
+    return store
+
+
+def _published_key(store: Any, key: str) -> str:
+    """``key``, refused when the store has no generation of it (and left uncreated)."""
+    if not store.key_dir(key).is_dir():
+        raise MissingGenerationError(f"{key}: no published generation in {store.root}")
+    return key
+
+
+def _check_output_dir(path: Path, flag: str) -> None:
+    """Refuse an output file whose directory is missing before any work, not after it."""
+    if not path.parent.is_dir():
+        raise SpecError(f"{flag} {path}: directory {path.parent} does not exist")
+
+
+def _store_root(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr like every other failure."""
+
+    def error(self, message: str) -> Any:
+        self.exit(int(ExitCode.USAGE), f"kernelcache: error: {self.prog}: {one_line(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kernelcache",
         description="Compile GPU kernels ahead of time, store them stamped, verify before serving.",
         epilog=_exit_codes_epilog(),
@@ -312,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def store_arg(p: Any) -> None:
-        p.add_argument("--store", type=Path, required=True, help="store root (the PV mount)")
+        p.add_argument("--store", type=_store_root, required=True, help="store root (the PV mount)")
 
     p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
     p.add_argument("-f", "--file", type=Path, required=True, help="KernelCache YAML")
@@ -377,8 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = add("explain", cmd_explain, "name the factors that differ between two stamps")
-    p.add_argument("left", help="MANIFEST.json, generation dir, or 'env'")
-    p.add_argument("right", help="MANIFEST.json, generation dir, or 'env'")
+    sides = "MANIFEST.json, generation dir, KEY or generation id (with --store), or 'env'"
+    p.add_argument("left", help=sides)
+    p.add_argument("right", help=sides)
+    p.add_argument("--store", type=_store_root, help="store root to find a key or generation in")
 
     p = add("inspect", cmd_inspect, "list keys and generations of a store")
     store_arg(p)
@@ -388,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", cmd_gc, "remove old generations (never the current one)")
     store_arg(p)
     p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
-    p.add_argument("--keep", type=int, default=2, help="generations to keep per key (default 2)")
+    p.add_argument(
+        "--keep", type=_non_negative, default=2, help="generations to keep per key (default 2)"
+    )
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -403,13 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except KernelCacheError as exc:
-        print(f"kernelcache: error: {exc.message}", file=sys.stderr)
+        print(f"kernelcache: error: {one_line(exc.message)}", file=sys.stderr)
         return int(exc.code)
     except KeyboardInterrupt:
         print("kernelcache: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug: still one line, with the class to search for
-        print(f"kernelcache: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        line = f"kernelcache: internal error: {type(exc).__name__}: {one_line(exc)}"
+        print(line, file=sys.stderr)
         return int(ExitCode.FAILURE)
 
 

@@ -7,6 +7,7 @@ carries a one-line message that names the file, factor or field at fault.
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 
 
@@ -41,6 +42,22 @@ EXIT_CODE_HELP = {
     ExitCode.WARM_FAILED: "a warmer failed or produced nothing",
     ExitCode.LOCKED: "another writer holds the key",
 }
+
+
+# Terminal escapes (colours, cursor moves) and other control characters: a toolchain's
+# coloured error text must not reach a log, a termination message or a CI annotation.
+_ESCAPES = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[@-Z\\-_])")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal escape sequences or control characters (newlines kept)."""
+    return _CONTROL.sub("", _ESCAPES.sub("", text))
+
+
+def one_line(text: object) -> str:
+    """A message as one plain line: escapes dropped, whitespace runs (newlines) collapsed."""
+    return " ".join(plain(str(text)).split())
 
 
 class KernelCacheError(Exception):

@@ -465,7 +465,7 @@ def run(
     )
     key, arch = _key_and_arch(options, node)
     store = Store(options.store)
-    _check_store_root(store.root)
+    check_store_root(store.root)
     gen_dir = store.current(key)
     if gen_dir is None:
         built = _built_arches(store, key)
@@ -518,15 +518,15 @@ def _key_and_arch(options: Options, node: NodeInfo) -> tuple[str, str]:
     return f"{options.namespace}/{options.name}/{node.arch}", node.arch
 
 
-def _check_store_root(root: Path) -> None:
-    """A store root that exists but cannot be listed (not a directory, permissions) is an
-    I/O failure, not an absent generation: say so rather than "nothing published". A root
-    that does not exist holds nothing yet, like a key never published."""
+def check_store_root(root: Path) -> None:
+    """A store root that is missing or cannot be listed (not a directory, permissions) is
+    an I/O failure, not an absent generation: say so rather than "nothing published". A
+    store that was never written to is an empty directory (a fresh volume), not no path."""
     try:
         with os.scandir(root):
             pass
-    except FileNotFoundError:
-        return
+    except FileNotFoundError as exc:
+        raise StorageError(f"{root}: store does not exist", path=str(root)) from exc
     except OSError as exc:
         raise StorageError(
             f"{root}: store not readable: {_one_line(exc.strerror)}", path=str(root)

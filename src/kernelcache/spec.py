@@ -8,17 +8,29 @@ the API server and the tools cannot disagree about what a valid KernelCache is.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
+import typing
 from itertools import zip_longest
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from kernelcache.arch import arch_problem
 from kernelcache.errors import SpecError
 
 GROUP = "kernelcache.dev"
@@ -34,7 +46,15 @@ ARCH = r"^sm_[0-9]{2,3}[af]?$"
 DIGEST = r"^sha256:[0-9a-f]{64}$"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRY_POINT = rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$"
-QUANTITY = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[mkMGTPE]|[KMGTPE]i)?$"
+# Kubernetes' resource.Quantity grammar (as controller-gen writes it into CRDs), without
+# the minus sign: no request, limit or volume size is negative.
+QUANTITY = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# The API server refuses bodies near this size (etcd's request limit): refuse such a file
+# before parsing it, rather than after minutes of YAML.
+MAX_SPEC_BYTES = 1536 * 1024
 
 # A raw regex is a poor error message; say what was expected instead.
 _PATTERN_HINTS = {
@@ -46,8 +66,41 @@ _PATTERN_HINTS = {
     QUANTITY: "a Kubernetes quantity such as 20Gi or 500m",
 }
 
-Arch = Annotated[str, Field(pattern=ARCH)]
-Quantity = Annotated[str, Field(pattern=QUANTITY)]
+
+def _known_arch(value: str) -> str:
+    if (problem := arch_problem(value)) is not None:
+        raise PydanticCustomError("unknown_arch", "{problem}", {"problem": problem})
+    return value
+
+
+def _quantity_text(value: Any) -> Any:
+    """``nvidia.com/gpu: 1`` as in a Pod: a whole number is a quantity too (kept as text).
+    A fraction must be written as text, as the API server takes only integer or string."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        hint = " (write it as a string)" if isinstance(value, float) else ""
+        raise PydanticCustomError(
+            "quantity_type",
+            "expected a Kubernetes quantity such as 20Gi or 500m, got {got}{hint}",
+            {"got": repr(value), "hint": hint},
+        )
+    return value
+
+
+Arch = Annotated[str, Field(pattern=ARCH), AfterValidator(_known_arch)]
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    Field(pattern=QUANTITY),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
 EntryPoint = Annotated[str, Field(pattern=ENTRY_POINT)]
 
 # strict: the API server rejects "132" for an integer, so the CLI must too.
@@ -354,7 +407,7 @@ class ArchStatus(BaseModel):
 
     model_config = _STATUS_CONFIG
 
-    arch: Arch
+    arch: str = Field(pattern=ARCH)  # as written by an operator that may know newer arches
     phase: Literal["Pending", "Compiling", "Ready", "Failed"]
     generation: str | None = None
     stamp_digest: str | None = None
@@ -426,16 +479,80 @@ def _describe(error: ErrorDetails) -> tuple[str, str]:
     if error["type"] == "missing":
         return path, "required field is missing"
     if error["type"] == "extra_forbidden":
-        return path, "unknown field"
+        return path, "unknown field" + _did_you_mean(error["loc"])
+    if error["type"] == "unknown_arch":
+        return path, error["msg"]
     if error["type"] == "too_short":
         return path, f"needs at least {ctx['min_length']} item(s), got {ctx['actual_length']}"
     if error["type"] == "string_pattern_mismatch" and ctx.get("pattern") in _PATTERN_HINTS:
         return path, f"expected {_PATTERN_HINTS[ctx['pattern']]}{shown}"
+    if error["type"] == "quantity_type":
+        return path, error["msg"]
     return path, error["msg"] + shown
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model whose fields are at ``loc`` (camelCase names, list indices, map keys)."""
+    model: type[BaseModel] = KernelCache
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = {info.alias or name: info for name, info in model.model_fields.items()}
+        if part not in fields:
+            return None
+        inner = _models_in(fields[part].annotation)
+        if not inner:
+            return None
+        model = inner[0]
+    return model
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """A hint for an unknown field: the camelCase spelling, or the closest field name."""
+    model = _model_at(loc[:-1])
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    names = [info.alias or name for name, info in model.model_fields.items()]
+    if (camel := to_camel(loc[-1])) in names and camel != loc[-1]:
+        return f" (fields are camelCase: {camel})"
+    close = difflib.get_close_matches(loc[-1], names, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _first_error(errors: list[ErrorDetails]) -> ErrorDetails:
+    """The error to report: an unknown field before all else, since a misspelled field is
+    also a missing one, and "missing" alone hides the typo."""
+    return next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """YAML as the API server reads JSON: a key given twice is an error, not "last wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            if not isinstance(key, typing.Hashable):
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first at line {seen[key]})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_kernelcache(obj: Any, source: str) -> KernelCache:
@@ -445,10 +562,10 @@ def parse_kernelcache(obj: Any, source: str) -> KernelCache:
             f"{source}: expected a KernelCache mapping, got {type(obj).__name__}", path=source
         )
     try:
-        return KernelCache.model_validate(obj)
+        return KernelCache.model_validate(obj, by_alias=True, by_name=False)
     except ValidationError as exc:
         errors = exc.errors()
-        path, what = _describe(errors[0])
+        path, what = _describe(_first_error(errors))
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         where = f"{path}: " if path else ""
         raise SpecError(_one_line(f"{source}: {where}{what}{more}"), path=source) from None
@@ -458,13 +575,21 @@ def load_kernelcache(path: str | Path) -> KernelCache:
     """Read a one-document KernelCache YAML file; any problem becomes a one-line SpecError."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        text = data.decode("utf-8")
     except OSError as exc:
         raise SpecError(f"{source}: cannot read: {exc.strerror or exc}", path=source) from None
     except UnicodeDecodeError:
         raise SpecError(f"{source}: not UTF-8 text", path=source) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"{source}: larger than {MAX_SPEC_BYTES // 1024} KiB, more than the API server "
+            "accepts for one object",
+            path=source,
+        )
     try:
-        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        docs = [doc for doc in yaml.load_all(text, Loader=_SpecLoader) if doc is not None]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -484,6 +609,7 @@ _STRUCTURAL_KEYS = {
     "type", "description", "properties", "required", "items", "additionalProperties",
     "enum", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
     "maxItems", "default", "x-kubernetes-preserve-unknown-fields",
+    "anyOf", "x-kubernetes-int-or-string",
 }  # fmt: skip
 
 
@@ -501,7 +627,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     node = {k: v for k, v in node.items() if k != "title"}
     if ref := node.pop("$ref", None):
         return _structural({**defs[ref.rsplit("/", 1)[1]], **node}, defs)
-    if "anyOf" in node:
+    if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
         # `X | None`: Kubernetes prunes nulls, so an optional X is just X.
         options = [o for o in node.pop("anyOf") if o != {"type": "null"}]
         if len(options) != 1:

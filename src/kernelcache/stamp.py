@@ -42,6 +42,7 @@ from typing import Any
 
 import blake3
 
+from kernelcache.arch import arch_problem
 from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
 
 __all__ = [
@@ -203,8 +204,19 @@ class FactorDiff:
     left: str | None
     right: str | None
 
-    def describe(self) -> str:
-        return f"{self.name}: {_show(self.left)} != {_show(self.right)}"
+    def describe(self, sides: tuple[str, str] | None = None) -> str:
+        """``name: left != right``; ``sides`` labels each value with where it comes from."""
+        if sides is None:
+            return f"{self.name}: {_show(self.left)} != {_show(self.right)}"
+        return f"{self.name}: {_show(self.left)} ({sides[0]}) != {_show(self.right)} ({sides[1]})"
+
+
+# How every diff labels its sides (``explain``, ``verify --check-env``, the runtime).
+ENVIRONMENT_SIDE = "this environment"
+
+
+def generation_side(generation: str) -> str:
+    return f"generation {generation[:16]}"
 
 
 def _show(value: str | None) -> str:
@@ -313,12 +325,14 @@ def _sm_count_here(recorded: str) -> str:
     return recorded if here is None or str(here) in recorded.split(",") else str(here)
 
 
-def stamp_mismatch(diffs: list[FactorDiff]) -> StampMismatchError | None:
+def stamp_mismatch(
+    diffs: list[FactorDiff], sides: tuple[str, str] | None = None
+) -> StampMismatchError | None:
     """The one-line error for differing factors (the first named), or None when none differ."""
     if not diffs:
         return None
     more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    return StampMismatchError(f"stamp mismatch: {diffs[0].describe()}{more}")
+    return StampMismatchError(f"stamp mismatch: {diffs[0].describe(sides)}{more}")
 
 
 def _declared(kind: str, name: str, value: str) -> str:
@@ -359,6 +373,8 @@ def _checked_arch(value: str, source: str) -> str:
             f"{source} {value!r} is not an arch like sm_90a, sm_100a or sm_86 "
             "(expected sm_<2-3 digits> with an optional a/f suffix)"
         )
+    if (problem := arch_problem(value)) is not None:
+        raise NoGpuInfoError(f"{source} {problem}")
     return value
 
 

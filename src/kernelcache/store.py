@@ -845,14 +845,6 @@ def _verify_into(
     if signature_problem is None and (altered := _checksum_problem(manifest)) is not None:
         add(ExitCode.MALFORMED_MANIFEST, manifest_path, altered)
         return  # its file list is not to be trusted either
-    content_id = generation_id(manifest.stamp["digest"], manifest.files)
-    if content_id != manifest.generation:
-        add(
-            ExitCode.INTEGRITY,
-            manifest_path,
-            f"generation {manifest.generation} does not match its content ({content_id})",
-        )
-
     files_root = gen_dir / FILES_DIR
     on_disk: dict[str, int] = {}
     flagged: set[str] = set()  # symlinks and special files, already reported
@@ -916,6 +908,14 @@ def _verify_into(
     listed = {entry.path for entry in manifest.files}
     for rel in sorted(set(on_disk) - listed):
         add(ExitCode.INTEGRITY, files_root / rel, "not in manifest")
+    # Last, so that an edited entry is reported by its file's name before this.
+    content_id = generation_id(manifest.stamp["digest"], manifest.files)
+    if content_id != manifest.generation:
+        add(
+            ExitCode.INTEGRITY,
+            manifest_path,
+            f"generation {manifest.generation} does not match its content ({content_id})",
+        )
 
 
 def _signature_problem(

@@ -274,7 +274,8 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         stamp=recorded.digest,
         mismatch=bool(diffs),
     )
-    error = stamps.stamp_mismatch(diffs)
+    sides = (stamps.generation_side(manifest.generation), stamps.ENVIRONMENT_SIDE)
+    error = stamps.stamp_mismatch(diffs, sides)
     if error is not None:
         if config.strict:
             raise error

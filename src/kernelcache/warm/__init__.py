@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kernelcache.errors import WarmError
+from kernelcache.errors import WarmError, one_line
 from kernelcache.spec import GpuClass
 from kernelcache.spec import Warmer as WarmerSpec
 from kernelcache.stamp import source_digest
+from kernelcache.warm.deadline import deadline
 
 # Cache variable -> subdirectory of files/ it is pointed at during a warm.
 CACHE_ENV: dict[str, str] = {
@@ -155,12 +156,31 @@ def call_entry_points(
         fn = resolve_entry_point(entry_point, spec_dir)
         try:
             returned = fn(dict(workload))
-        except Exception as exc:
-            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        except (Exception, SystemExit) as exc:  # its exit code is not one of kernelcache's
+            detail = (
+                f"called sys.exit({exc.code!r})"
+                if isinstance(exc, SystemExit)
+                else one_line(f"{type(exc).__name__}: {exc}")
+            )
             raise WarmError(
                 f"{kind} entry point {entry_point} failed for {arch}: {detail}"
             ) from exc
-        names.extend(returned or [])
+        names.extend(_kernel_names(kind, entry_point, returned))
+    return names
+
+
+def _kernel_names(kind: str, entry_point: str, returned: Any) -> list[str]:
+    """What an entry point returned: None, or an iterable of kernel names (strings)."""
+    if returned is None:
+        return []
+    iterable = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes))
+    names = list(returned) if iterable else None
+    if names is None or not all(isinstance(name, str) for name in names):
+        shown = type(returned).__name__ if names is None else "a list holding non-strings"
+        raise WarmError(
+            f"{kind} entry point {entry_point} returned {shown}: "
+            "expected None or a list of kernel names"
+        )
     return names
 
 
@@ -233,7 +253,10 @@ def run_warmers(warmers: list[Warmer], files_dir: Path, arch: str) -> dict[str, 
     reports = []
     start = time.perf_counter()
     for index, warmer in enumerate(warmers):
-        report = warmer.run(files_dir, arch)
+        seconds = warmer.config.timeout_seconds
+        late = f"spec.warmers[{index}] ({warmer.label}) ran past timeoutSeconds={seconds}"
+        with deadline(seconds, f"{late} for {arch}"):
+            report = warmer.run(files_dir, arch)
         if report.files == 0:
             raise WarmError(
                 f"spec.warmers[{index}] ({warmer.label}) produced nothing for {arch}: "

@@ -3,7 +3,7 @@
 The command sees each variable of ``CACHE_ENV`` pointed at its staging subdirectory, plus
 ``KERNELCACHE_ARCH``, ``KERNELCACHE_FILES`` (the generation's ``files/``) and
 ``KERNELCACHE_WORKLOAD`` (the spec's workload as JSON). Output streams through, so a long
-warm-up shows its own progress.
+warm-up shows its own progress (without terminal escapes when it goes to a pipe or a log).
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO, TextIO
 
-from kernelcache.errors import WarmError
+from kernelcache.errors import WarmError, plain
 from kernelcache.warm import Warmer, WarmerReport, cache_env, dir_usage
+from kernelcache.warm.deadline import kill_group
 
 
 class CommandWarmer(Warmer):
@@ -37,24 +41,10 @@ class CommandWarmer(Warmer):
             "KERNELCACHE_WORKLOAD": json.dumps(self.config.workload, sort_keys=True),
         }
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                self.config.command,
-                env=env,
-                cwd=self.spec_dir,
-                timeout=self.config.timeout_seconds,
-                check=False,
-            )
-        except FileNotFoundError as exc:
-            raise WarmError(f"command warmer: {self.config.command[0]}: not found") from exc
-        except subprocess.TimeoutExpired as exc:
+        returncode = self._run(env, arch)
+        if returncode != 0:
             raise WarmError(
-                f"command warmer: {self.config.command[0]} ran past "
-                f"timeoutSeconds={self.config.timeout_seconds}"
-            ) from exc
-        if proc.returncode != 0:
-            raise WarmError(
-                f"command warmer: {self.config.command[0]} exited with {proc.returncode} for {arch}"
+                f"command warmer: {self.config.command[0]} exited with {returncode} for {arch}"
             )
         after = dir_usage(files_dir)
         grown = {
@@ -72,3 +62,49 @@ class CommandWarmer(Warmer):
             bytes=sum(g["bytes"] for g in grown.values()),
             dirs=grown,
         )
+
+    def _run(self, env: dict[str, str], arch: str) -> int:
+        """Run the command in its own process group, and kill the group when it is done: a
+        background child left behind must neither outlive the deadline nor write into the
+        generation after it is sealed. Piped output loses its terminal escapes."""
+        piped = not sys.stderr.isatty()
+        try:
+            proc = subprocess.Popen(
+                self.config.command,
+                env=env,
+                cwd=self.spec_dir,
+                start_new_session=True,
+                stdout=subprocess.PIPE if piped else None,
+                stderr=subprocess.PIPE if piped else None,
+            )
+        except FileNotFoundError as exc:
+            raise WarmError(f"command warmer: {self.config.command[0]}: not found") from exc
+        except PermissionError as exc:
+            raise WarmError(f"command warmer: {self.config.command[0]}: not executable") from exc
+        relays = [
+            threading.Thread(target=_relay, args=(source, sink), daemon=True)
+            for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+            if source is not None
+        ]
+        for relay in relays:
+            relay.start()
+        try:
+            return proc.wait(timeout=self.config.timeout_seconds)
+        except subprocess.TimeoutExpired:
+            raise WarmError(
+                f"command warmer: {self.config.command[0]} ran past "
+                f"timeoutSeconds={self.config.timeout_seconds} for {arch}"
+            ) from None
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
+            for relay in relays:
+                relay.join(timeout=5)
+
+
+def _relay(source: IO[bytes], sink: TextIO) -> None:
+    """Copy a child's output line by line, without terminal escapes."""
+    with source:
+        for raw in source:
+            sink.write(plain(raw.decode(errors="replace").rstrip("\n")) + "\n")
+            sink.flush()
