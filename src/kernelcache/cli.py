@@ -224,17 +224,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.left == "env" and args.right == "env":
         raise SpecError("explain: at most one side can be 'env'")
-    sides = []
-    for ref in (args.left, args.right):
-        if ref == "env":
-            sides.append(None)
-        else:
-            manifest = _manifest_of(ref, args.store)
-            stamp = stamps.Stamp.from_dict(manifest.stamp)
-            sides.append((stamp, stamps.generation_side(manifest.generation)))
-    generation = next(side for side in sides if side is not None)
-    env = (stamps.environment_stamp(generation[0]), stamps.ENVIRONMENT_SIDE)
-    (left, left_side), (right, right_side) = (side or env for side in sides)
+    generations = {
+        ref: (stamps.Stamp.from_dict(m.stamp), stamps.generation_side(m.generation))
+        for ref in (args.left, args.right)
+        if ref != "env"
+        for m in [_manifest_of(ref, args.store)]
+    }
+    if "env" in (args.left, args.right):  # recomputed against the factors the other recorded
+        (recorded, _), *_ = generations.values()
+        generations["env"] = (stamps.environment_stamp(recorded), stamps.ENVIRONMENT_SIDE)
+    (left, left_side), (right, right_side) = generations[args.left], generations[args.right]
     diffs = stamps.explain(left, right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
