@@ -67,15 +67,14 @@ class CommandWarmer(Warmer):
         """Run the command in its own process group, and kill the group when it is done: a
         background child left behind must neither outlive the deadline nor write into the
         generation after it is sealed. Piped output loses its terminal escapes."""
-        piped = not sys.stderr.isatty()
         try:
             proc = subprocess.Popen(
                 self.config.command,
                 env=env,
                 cwd=self.spec_dir,
                 start_new_session=True,
-                stdout=subprocess.PIPE if piped else None,
-                stderr=subprocess.PIPE if piped else None,
+                stdout=None if sys.stdout.isatty() else subprocess.PIPE,
+                stderr=None if sys.stderr.isatty() else subprocess.PIPE,
             )
         except FileNotFoundError as exc:
             raise WarmError(f"command warmer: {self.config.command[0]}: not found") from exc
