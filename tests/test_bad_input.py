@@ -236,6 +236,17 @@ def test_error_lines_and_warmer_output_carry_no_escapes_when_piped(tmp_path):
     assert "\x1b" not in proc.stdout + proc.stderr
 
 
+def test_a_file_name_with_escapes_in_the_store_is_reported_without_them(published, tmp_path):
+    files = Store(published).current(KEY) / "files" / "triton"
+    (files / "evil\x1b[2J\x1b]0;title\x07name").write_text("")
+    log = tmp_path / "termination-log"
+    proc = run_kernelcache("verify", "--store", str(published), "--key", KEY,
+                           "--termination-log", str(log))  # fmt: skip
+    assert proc.returncode == ExitCode.INTEGRITY
+    line = one_line_error(proc)
+    assert "evilname: not in manifest" in line and "\x1b" not in line + log.read_text()
+
+
 # --- spec files -------------------------------------------------------------------------------
 
 

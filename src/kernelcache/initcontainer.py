@@ -51,6 +51,7 @@ from kernelcache.errors import (
     SpecError,
     StampMismatchError,
     StorageError,
+    one_line,
 )
 
 # The store's private write helpers too: one-line StorageErrors naming path and errno, and
@@ -649,7 +650,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+    return one_line(text)  # a file name in the store may hold escapes: never print them
 
 
 def error_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -63,7 +64,24 @@ def kill_group(pgid: int) -> None:
 
 @contextlib.contextmanager
 def deadline(seconds: float, message: str) -> Iterator[None]:
-    """Fail the enclosed warmer with ``message`` (exit class "warm failed") after ``seconds``.
+    """Fail the enclosed warmer with ``message`` (exit class "warm failed") after ``seconds``;
+    a warmer's own subprocess timeout of the same budget is the same failure."""
+    try:
+        with _alarm(seconds, message):
+            yield
+    except subprocess.TimeoutExpired as exc:
+        if exc.timeout != seconds:
+            raise
+        kill_descendants()
+        raise WarmError(message) from None
+    except DeadlinePassed:
+        kill_descendants()
+        raise WarmError(message) from None
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float, message: str) -> Iterator[None]:
+    """Raise ``DeadlinePassed`` after ``seconds``, and end the process a grace period later.
 
     Only the main thread can take signals; elsewhere (a warm run from a test's thread) the
     warmers' own subprocess timeouts are all that applies.
@@ -87,9 +105,6 @@ def deadline(seconds: float, message: str) -> Iterator[None]:
     watchdog.start()
     try:
         yield
-    except DeadlinePassed:
-        kill_descendants()
-        raise WarmError(message) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
