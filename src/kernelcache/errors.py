@@ -23,7 +23,7 @@ class ExitCode(IntEnum):
     UNSAFE_PATH = 8  # a manifest path or symlink that escapes the generation
     NO_GPU_INFO = 9  # the target arch could not be determined
     IO = 10  # the store or target could not be read or written (disk full, permissions)
-    WARM_FAILED = 11  # a warmer failed or a declared warmer produced nothing
+    WARM_FAILED = 11  # a warmer failed, exited or timed out, or a declared one produced nothing
     LOCKED = 12  # another writer holds the key and the wait timed out
 
 
@@ -38,8 +38,8 @@ EXIT_CODE_HELP = {
     ExitCode.MALFORMED_MANIFEST: "manifest unreadable or wrong schema",
     ExitCode.UNSAFE_PATH: "a path or symlink escapes the generation",
     ExitCode.NO_GPU_INFO: "target arch could not be determined",
-    ExitCode.IO: "store or target not readable/writable (disk full, permissions)",
-    ExitCode.WARM_FAILED: "a warmer failed or produced nothing",
+    ExitCode.IO: "store or target missing or not readable/writable (disk full, permissions)",
+    ExitCode.WARM_FAILED: "a warmer failed, exited, timed out or produced nothing",
     ExitCode.LOCKED: "another writer holds the key",
 }
 
