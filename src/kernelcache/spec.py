@@ -577,17 +577,18 @@ def load_kernelcache(path: str | Path) -> KernelCache:
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_SPEC_BYTES + 1)
-        text = data.decode("utf-8")
     except OSError as exc:
         raise SpecError(f"{source}: cannot read: {exc.strerror or exc}", path=source) from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{source}: not UTF-8 text", path=source) from None
     if len(data) > MAX_SPEC_BYTES:
         raise SpecError(
             f"{source}: larger than {MAX_SPEC_BYTES // 1024} KiB, more than the API server "
             "accepts for one object",
             path=source,
         )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(f"{source}: not UTF-8 text", path=source) from None
     try:
         docs = [doc for doc in yaml.load_all(text, Loader=_SpecLoader) if doc is not None]
     except yaml.MarkedYAMLError as exc:
