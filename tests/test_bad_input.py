@@ -193,20 +193,23 @@ def test_a_key_not_in_the_store_is_no_generation_and_is_not_created(published, c
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "flag"),
     [
-        ["build", "-f", "kc.yaml"],
-        ["warm", "-f", "kc.yaml", "--arch", "sm_90a"],
-        ["verify", "--key", KEY],
-        ["inspect"],
-        ["gc"],
+        (["build", "-f", "kc.yaml", "--store", ""], "--store"),
+        (["warm", "-f", "kc.yaml", "--arch", "sm_90a", "--store", ""], "--store"),
+        (["verify", "--key", KEY, "--store", ""], "--store"),
+        (["inspect", "--store", ""], "--store"),
+        (["gc", "--store", ""], "--store"),
+        (["warm", "-f", "kc.yaml", "--arch", "sm_90a", "--store", "s", "--result", ""], "--result"),
+        (["verify", "--key", KEY, "--store", "s", "--materialize", ""], "--materialize"),
+        (["keygen", ""], "dir"),
     ],
 )
-def test_an_empty_store_path_is_refused_not_the_current_directory(tmp_path, args):
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(tmp_path, args, flag):
     write_warmer_spec(tmp_path, writes_one_file())
-    proc = run_kernelcache(*args, "--store", "", cwd=tmp_path)
+    proc = run_kernelcache(*args, cwd=tmp_path)
     assert proc.returncode == ExitCode.USAGE
-    assert "--store" in one_line_error(proc)
+    assert f"argument {flag}: must not be empty" in one_line_error(proc)
     assert tree(tmp_path) == ["kc.yaml"]
 
 

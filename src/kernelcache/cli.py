@@ -337,7 +337,8 @@ def _check_output_dir(path: Path, flag: str) -> None:
         raise SpecError(f"{flag} {path}: directory {path.parent} does not exist")
 
 
-def _store_root(text: str) -> Path:
+def _path(text: str) -> Path:
+    """A path argument; an empty one would silently mean the current directory."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return Path(text)
@@ -381,29 +382,29 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def store_arg(p: Any) -> None:
-        p.add_argument("--store", type=_store_root, required=True, help="store root (the PV mount)")
+        p.add_argument("--store", type=_path, required=True, help="store root (the PV mount)")
 
     p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
-    p.add_argument("-f", "--file", type=Path, required=True, help="KernelCache YAML")
+    p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", action="append", help="only this arch (repeatable)")
-    p.add_argument("--signing-key", type=Path, help="ed25519 private key to sign manifests")
+    p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
 
     p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)")
-    p.add_argument("-f", "--file", type=Path, required=True, help="KernelCache YAML")
+    p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", required=True, help="SM arch, e.g. sm_90a")
-    p.add_argument("--signing-key", type=Path, help="ed25519 private key to sign the manifest")
+    p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
-    p.add_argument("--result", type=Path, help="write the result as JSON here")
+    p.add_argument("--result", type=_path, help="write the result as JSON here")
 
     p = add("verify", cmd_verify, "verify this node's generation (the init-container's check)")
     store_arg(p)
     p.add_argument("--key", help="NAMESPACE/NAME/ARCH (else --namespace/--name or -f)")
     p.add_argument("--namespace", help="the KernelCache's namespace (with --name)")
     p.add_argument("--name", help="the KernelCache's name: the key is NAMESPACE/NAME/<node arch>")
-    p.add_argument("-f", "--file", type=Path, help="KernelCache YAML (its namespace and name)")
+    p.add_argument("-f", "--file", type=_path, help="KernelCache YAML (its namespace and name)")
     p.add_argument("--arch", help="this node's SM arch, e.g. sm_90a (else KERNELCACHE_ARCH)")
     p.add_argument("--gpu-product", help="this node's GPU product (else KERNELCACHE_GPU_PRODUCT)")
     p.add_argument(
@@ -419,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="a stamp factor the pod requires, compared exactly (repeatable)",
     )
-    p.add_argument("--public-key", type=Path, help="ed25519 public key: the signature must verify")
+    p.add_argument("--public-key", type=_path, help="ed25519 public key: the signature must verify")
     p.add_argument("--require-signature", action="store_true", help="refuse unsigned manifests")
     p.add_argument(
         "--check-env",
@@ -434,13 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--materialize",
-        type=Path,
+        type=_path,
         metavar="DIR",
         help="copy the verified generation here and write DIR/kernelcache.env",
     )
     p.add_argument(
         "--termination-log",
-        type=Path,
+        type=_path,
         metavar="FILE",
         help="write a failure here too (default: /dev/termination-log when writable)",
     )
@@ -449,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     sides = "MANIFEST.json, generation dir, KEY or generation id (with --store), or 'env'"
     p.add_argument("left", help=sides)
     p.add_argument("right", help=sides)
-    p.add_argument("--store", type=_store_root, help="store root to find a key or generation in")
+    p.add_argument("--store", type=_path, help="store root to find a key or generation in")
 
     p = add("inspect", cmd_inspect, "list keys and generations of a store")
     store_arg(p)
@@ -467,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
     p = add("keygen", cmd_keygen, "write an ed25519 key pair for signing")
-    p.add_argument("dir", type=Path, help="directory for kernelcache.key and kernelcache.pub")
+    p.add_argument("dir", type=_path, help="directory for kernelcache.key and kernelcache.pub")
     return parser
 
 
