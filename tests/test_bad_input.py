@@ -74,14 +74,14 @@ def test_timeout_ends_an_entry_point_and_the_processes_it_started(tmp_path):
         "child = subprocess.Popen(['sleep', '60'])\n"
         "open('child.pid', 'w').write(str(child.pid))\n"
         "try:\n    time.sleep(60)\nexcept Exception:\n    time.sleep(60)",  # cannot swallow it
-        timeoutSeconds=2,
+        timeoutSeconds=5,  # past the warm's start-up, so the entry point does run
     )
     start = time.monotonic()
     proc = run_kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch",
                            "sm_90a", cwd=tmp_path)  # fmt: skip
     assert time.monotonic() - start < 20
     assert proc.returncode == ExitCode.WARM_FAILED
-    assert "ran past timeoutSeconds=2" in one_line_error(proc)
+    assert "ran past timeoutSeconds=5" in one_line_error(proc)
     assert "ep:warm" in proc.stderr
     assert not alive(int((tmp_path / "child.pid").read_text()))
     assert Store(tmp_path / "s").current(KEY) is None
@@ -89,14 +89,20 @@ def test_timeout_ends_an_entry_point_and_the_processes_it_started(tmp_path):
 
 def test_timeout_holds_for_an_entry_point_that_ignores_the_alarm(tmp_path):
     spec = entry_point_spec(
-        tmp_path, "signal.signal(signal.SIGALRM, signal.SIG_IGN)\ntime.sleep(60)", timeoutSeconds=1
+        tmp_path,
+        "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "open('child.pid', 'w').write(str(child.pid))\n"
+        "time.sleep(60)",
+        timeoutSeconds=5,  # past the warm's start-up, so the entry point does run
     )
     start = time.monotonic()
     proc = run_kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch",
-                           "sm_90a")  # fmt: skip
+                           "sm_90a", cwd=tmp_path)  # fmt: skip
     assert time.monotonic() - start < 30
     assert proc.returncode == ExitCode.WARM_FAILED
-    assert "ran past timeoutSeconds=1" in one_line_error(proc)
+    assert "ran past timeoutSeconds=5" in one_line_error(proc)
+    assert not alive(int((tmp_path / "child.pid").read_text()))
     assert Store(tmp_path / "s").current(KEY) is None
 
 
@@ -104,13 +110,13 @@ def test_timeout_of_a_command_kills_its_whole_process_group_under_build(tmp_path
     """A background child holding the build's pipe kept `build` waiting for it."""
     script = "sleep 60 & echo $! > bg.pid; sleep 60"
     spec = write_warmer_spec(
-        tmp_path, {"type": "command", "command": ["sh", "-c", script], "timeoutSeconds": 2}
+        tmp_path, {"type": "command", "command": ["sh", "-c", script], "timeoutSeconds": 3}
     )
     start = time.monotonic()
     proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp_path / "s"))
     assert time.monotonic() - start < 20
     assert proc.returncode == ExitCode.WARM_FAILED
-    assert "ran past timeoutSeconds=2" in proc.stderr.splitlines()[-1]
+    assert "ran past timeoutSeconds=3" in proc.stderr.splitlines()[-1]
     assert not alive(int((tmp_path / "bg.pid").read_text()))
     assert Store(tmp_path / "s").current(KEY) is None
 
