@@ -262,7 +262,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Remove old generations, keeping the newest N and always the current one."""
+    """Remove old generations: the current one stays, and the N most recently current
+    besides it (the rollback targets)."""
     from kernelcache.store import Store
 
     store = Store(args.store)
@@ -388,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", cmd_gc, "remove old generations (never the current one)")
     store_arg(p)
     p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
-    p.add_argument("--keep", type=int, default=2, help="generations to keep per key (default 2)")
+    p.add_argument("--keep", type=int, default=2, help="kept besides the current (default 2)")
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
