@@ -487,8 +487,9 @@ def test_full_disk_while_writing_the_manifest(tiny_tmpfs: Path) -> None:
 
 
 def test_no_room_for_current_takes_back_the_new_generation(tiny_tmpfs: Path) -> None:
-    """The last step that needs space is CURRENT's temporary file: with no inode left for
-    it, the already renamed new generation is removed again and CURRENT stays."""
+    """The last step that needs space is CURRENT's temporary file (after HISTORY.json's):
+    with no inode left for it, the already renamed new generation is removed again and
+    CURRENT stays."""
     store = Store(tiny_tmpfs / "store")
     before = seed_generation(store)
     filler = tiny_tmpfs / "filler"
@@ -497,7 +498,9 @@ def test_no_room_for_current_takes_back_the_new_generation(tiny_tmpfs: Path) -> 
     with store.writer(KEY) as writer:
         staging = writer.staging()
         (staging / "new.bin").write_bytes(b"new")
-        for i in range(os.statvfs(tiny_tmpfs).f_ffree - 1):  # one inode left: MANIFEST.json's
+        # Two inodes left: MANIFEST.json's and HISTORY.json's (the first one, recording the
+        # seed generation as replaced).
+        for i in range(os.statvfs(tiny_tmpfs).f_ffree - 2):
             (filler / str(i)).touch()
         with pytest.raises(StorageError) as err:
             writer.publish(staging, {**STAMP, "digest": "blake3:new"}, {})
