@@ -178,6 +178,34 @@ def test_republish_replaces_a_generation_that_no_longer_verifies(store: Store) -
     assert verify(store.current(KEY)).ok
 
 
+def test_publish_replaces_what_lies_under_its_generation_id(store: Store, tmp_path: Path) -> None:
+    """A symlink (to a copy outside the store) or a file where the new generation goes is
+    not the generation: it is replaced, and the published directory is the store's own."""
+    manifest = publish(store, random_files(1))
+    gen_dir = store.key_dir(KEY) / manifest.generation
+    outside = tmp_path / "outside"
+    shutil.copytree(gen_dir, outside)
+    for planted in ("symlink", "file"):
+        shutil.rmtree(gen_dir)
+        if planted == "symlink":
+            gen_dir.symlink_to(outside)
+        else:
+            gen_dir.write_text("not a generation\n")
+        assert publish(store, random_files(1)).generation == manifest.generation, planted
+        assert not gen_dir.is_symlink() and verify(gen_dir, key=KEY).ok, planted
+        assert transient(store.key_dir(KEY)) == [], planted
+
+
+def test_a_symlinked_lock_file_is_not_followed(store: Store, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    store.key_dir(KEY).mkdir(parents=True)
+    (store.key_dir(KEY) / ".lock").symlink_to(victim)
+    with pytest.raises(StorageError, match="ELOOP"), store.writer(KEY):
+        pass
+    assert victim.read_text() == "precious\n"
+
+
 def test_unpublished_staging_is_removed_when_the_writer_closes(store: Store) -> None:
     with store.writer(KEY) as writer:
         staging = writer.staging()

@@ -1346,7 +1346,8 @@ class Store:
         self._check_key_path(key)  # never publish into another key through a symlink
         with io_errors(key_dir):
             key_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Not through a symlink: the holder truncates the lock file to write its pid.
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             _lock(fd, lock_path, key, timeout)
             _remove_transient(key_dir)
