@@ -21,6 +21,11 @@ for one file of each class and each kind of fault, by ``kernelcache verify --mat
 as the init-container runs it: exit 5 (integrity; for MANIFEST.json, 6 or 7: its signature
 or its parse), one stderr line naming the file, nothing materialized. After each fault the
 file is put back and the generation verifies again.
+Hostile layouts: a file of every class hard-linked to a file outside, of mode 000 (root's
+verify reads it, a serving user would not), a symlink to a copy outside or a FIFO; and on a
+copy of the store, the key's names that are not kernelcache's own (a symlinked generation,
+CURRENT or key directory, CURRENT a FIFO) and the signed generation placed under another
+key or another name. Each refused in one line, nothing materialized.
 ``KERNELCACHE_CORRUPTION_SEED`` replaces the seed; every failure message names it.
 """
 

@@ -1,8 +1,8 @@
 """Fault injection against kernelcache.store with real faults, no mocks: a publisher killed
 with SIGKILL at over 500 seeded random points (before a step of publishing, after a delay,
-and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a warm
-process killed while its warmer lives on, a full filesystem, a file-size limit, and a lock
-holder that dies. The store must always leave CURRENT naming a complete generation that
+and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a re-point
+of CURRENT killed before each of its steps, a warm process killed while its warmer lives
+on, a full filesystem, a file-size limit, and a lock holder that dies. The store must always leave CURRENT naming a complete generation that
 verifies, and the next writer must clean up whatever a dead one left. Writers racing for a
 key: tests/test_concurrency.py."""
 
