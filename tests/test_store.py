@@ -84,7 +84,8 @@ def publish(store: Store, files: dict[str, bytes], label: str = "one", **kwargs)
 
 
 def transient(key_dir: Path) -> list[str]:
-    return [n for n in os.listdir(key_dir) if n.startswith((".staging-", ".trash-", ".CURRENT."))]
+    transient_prefixes = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
+    return [n for n in os.listdir(key_dir) if n.startswith(transient_prefixes)]
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 with SIGKILL at over 500 seeded random points (before a step of publishing, after a delay,
 and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a re-point
 of CURRENT killed before each of its steps, a warm process killed while its warmer lives
-on, a full filesystem, a file-size limit, and a lock holder that dies. The store must always leave CURRENT naming a complete generation that
-verifies, and the next writer must clean up whatever a dead one left. Writers racing for a
-key: tests/test_concurrency.py."""
+on, a full filesystem, a file-size limit, and a lock holder that dies. The store must
+always leave CURRENT naming a complete generation that verifies, and the next writer must
+clean up whatever a dead one left. Writers racing for a key: tests/test_concurrency.py."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from tests.helpers.store_worker import PHASES, REPOINT_PHASES, publish_random, s
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 KEY = "faults/model/sm_90a"
 STAMP = {"digest": "blake3:seed", "compile_digest": "c", "factors": {}, "factor_digests": {}}
-TRANSIENT = (".staging-", ".trash-", ".CURRENT.")
+TRANSIENT = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
 
 
 def start_worker(*args: str | Path) -> subprocess.Popen[bytes]:
