@@ -97,16 +97,20 @@ def test_rebuild_with_the_same_stamp_is_up_to_date_and_a_change_is_a_new_generat
     assert explained.returncode == ExitCode.STAMP_MISMATCH
     assert explained.stdout.splitlines()[0].startswith("workload:")
 
-    # retention: generations=2 keeps two after a third build
+    # retention: generations=1 keeps the current one and one besides it after a third build
     third = write_spec(
-        tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "dtypes": ["float32"]}}
+        tmp_path,
+        **{
+            "warmers.0.workload": {**SMALL_WORKLOAD, "dtypes": ["float32"]},
+            "retention.generations": 1,
+        },
     )
     assert (
         kernelcache("build", "-f", str(third), "--store", str(store), "--arch", "sm_90a").returncode
         == 0
     )
     ids = [m.generation for m in Store(store).generations(key)]
-    assert len(ids) == 2 and first.generation not in ids
+    assert len(ids) == 2 and first.generation not in ids and second.generation in ids
 
 
 def test_verify_names_a_flipped_byte_and_a_missing_generation(tmp_path):
@@ -266,3 +270,53 @@ def test_help_lists_the_exit_codes():
     assert proc.returncode == 0
     for code in ExitCode:
         assert f"{int(code):>2}  " in proc.stdout
+
+
+# A `command` warmer that logs each run, so a test can tell a build from a re-point.
+COUNTING_WARMER = (
+    "import json, os, pathlib; w = json.loads(os.environ['KERNELCACHE_WORKLOAD']); "
+    "open(w['log'], 'a').write('run\\n'); "
+    "pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_text(str(w['version']))"
+)
+
+
+def test_a_reverted_spec_makes_its_kept_generation_current_without_building(tmp_path):
+    """v1, v2, then v1 again: the warm re-points CURRENT at v1's generation, runs no warmer
+    and says so in its result (what a compile Job leaves as termination message); then v3,
+    and `gc --keep 1` keeps v1's, the generation CURRENT named before v3 (it was first
+    created before v2's)."""
+    runs, store = tmp_path / "runs", tmp_path / "store"
+    key = "default/demo/sm_90a"
+
+    def warm(version: int) -> dict:
+        warmer = {
+            "type": "command",
+            "command": [sys.executable, "-c", COUNTING_WARMER],
+            "workload": {"version": version, "log": str(runs)},
+        }
+        spec = write_spec(tmp_path, warmers=[warmer])
+        result = tmp_path / "result.json"
+        proc = kernelcache(
+            "warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a",
+            "--result", str(result),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(result.read_text())
+
+    v1, v2 = warm(1), warm(2)
+    assert (v1["status"], v2["status"]) == ("published", "published")
+    again = warm(1)
+    assert runs.read_text().count("run") == 2  # no warmer ran for the revert
+    assert again["status"] == "re-pointed"
+    assert again["generation"] == v1["generation"] and again["compiled"] == 0
+    assert Store(store).current(key).name == v1["generation"]
+    ok = kernelcache("verify", "--store", str(store), "--key", key)
+    assert ok.returncode == 0, ok.stderr
+
+    v3 = warm(3)
+    assert v3["status"] == "published"
+    gc = kernelcache("gc", "--store", str(store), key, "--keep", "1")
+    assert gc.returncode == 0, gc.stderr
+    assert gc.stdout.split() == [f"{key}:", "removed", "1", "generation(s)", v2["generation"]]
+    kept = sorted(m.generation for m in Store(store).generations(key))
+    assert kept == sorted([v1["generation"], v3["generation"]])

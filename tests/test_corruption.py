@@ -21,6 +21,11 @@ for one file of each class and each kind of fault, by ``kernelcache verify --mat
 as the init-container runs it: exit 5 (integrity; for MANIFEST.json, 6 or 7: its signature
 or its parse), one stderr line naming the file, nothing materialized. After each fault the
 file is put back and the generation verifies again.
+Hostile layouts: a file of every class hard-linked to a file outside, of mode 000 (root's
+verify reads it, a serving user would not), a symlink to a copy outside or a FIFO; and on a
+copy of the store, the key's names that are not kernelcache's own (a symlinked generation,
+CURRENT or key directory, CURRENT a FIFO) and the signed generation placed under another
+key or another name. Each refused in one line, nothing materialized.
 ``KERNELCACHE_CORRUPTION_SEED`` replaces the seed; every failure message names it.
 """
 
@@ -522,3 +527,231 @@ def test_a_file_swapped_in_from_the_older_generation_is_detected(
         f"{len(identical)} identical in both generations",
         swapped=len(checker.injected),
     )
+
+
+# --------------------------------------------------------------------------- hostile layouts
+
+# A file of the generation that is not the plain, private, readable file verify must see.
+Layout = Callable[[Path, Path], str]  # (path, scratch dir) -> the problem verify reports
+
+
+def hard_linked(path: Path, scratch: Path) -> str:
+    os.link(path, scratch / f"link-{path.name}")
+    return f"{path}: has 2 hard links: it can change through a name outside the generation"
+
+
+def mode_000(path: Path, scratch: Path) -> str:
+    path.chmod(0)
+    if os.geteuid() != 0:  # not root: it cannot be read at all
+        return f"{path}: EACCES (Permission denied)"
+    return f"{path}: mode 0000: no user but root can read this file"
+
+
+def symlinked_out(path: Path, scratch: Path) -> str:
+    outside = scratch / f"copy-{path.name}"
+    shutil.copy2(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+    return f"{path}: is a symlink (to {str(outside)!r})"
+
+
+def fifo(path: Path, scratch: Path) -> str:
+    path.unlink()
+    os.mkfifo(path)
+    return f"{path}: not a regular file"
+
+
+LAYOUTS: dict[str, tuple[Layout, ExitCode, ExitCode]] = {
+    # name: (layout, code for a file under files/, code for MANIFEST.json)
+    "hard link to a file outside": (hard_linked, ExitCode.UNSAFE_PATH, ExitCode.UNSAFE_PATH),
+    "mode 000": (mode_000, ExitCode.IO, ExitCode.IO),
+    "symlink out of the generation": (symlinked_out, ExitCode.UNSAFE_PATH, ExitCode.UNSAFE_PATH),
+    "FIFO": (fifo, ExitCode.INTEGRITY, ExitCode.UNSAFE_PATH),
+}
+
+
+@contextmanager
+def laid_out(path: Path, layout: Layout, scratch: Path) -> Iterator[str]:
+    """path in the layout inside the block; the original file, mode included, after."""
+    data, mode = path.read_bytes(), stat.S_IMODE(path.stat().st_mode)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        yield layout(path, scratch)
+    finally:
+        path.unlink()
+        path.write_bytes(data)
+        path.chmod(mode)
+        shutil.rmtree(scratch)
+
+
+def test_a_file_of_any_class_in_a_hostile_layout_is_refused(
+    generations: Generations, tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """One file of every class hard-linked to a file outside the generation, made mode 000
+    (root's verify still reads it; a serving user would not), replaced by a symlink to a
+    copy outside, or by a FIFO: each refused in one problem naming the file; through the
+    CLI for the first class of each layout."""
+    checker = Checker(generations, tmp_path / "target")
+    by_class = classify(generations.new)
+    refused: Counter[str] = Counter()
+    cli_done: set[str] = set()
+    for name, (layout, files_code, manifest_code) in LAYOUTS.items():
+        for cls, paths in by_class.items():
+            path = random.Random(f"{SEED}/layout/{cls.name}").choice(paths)
+            code = manifest_code if cls is MANIFEST else files_code
+            what = f"(seed {SEED}) {cls.name}: {name} at {path}"
+            with laid_out(path, layout, tmp_path / "scratch") as message:
+                result = checker.verify(signed=False)
+                assert [(p.code, p.message) for p in result.problems] == [(code, message)], what
+                if name not in cli_done:
+                    shutil.rmtree(checker.target, ignore_errors=True)  # the last passes() copy
+                    checker.target.mkdir()
+                    proc = checker.verify_cli(signed=True)
+                    line = one_line_error(proc)
+                    assert (proc.returncode, line) == (code, f"kernelcache: error: {message}")
+                    assert not list(checker.target.iterdir()), what
+                    cli_done.add(name)
+            refused[name] += 1
+        checker.passes()
+
+    assert refused == {name: len(CLASSES) for name in LAYOUTS}, f"(seed {SEED})"
+    record_totals(
+        record_property,
+        f"hostile file layouts: {len(LAYOUTS)} layouts x {len(CLASSES)} classes, "
+        f"{sum(refused.values())} refused, {len(cli_done)} also by the CLI",
+        file_layouts=sum(refused.values()),
+    )
+
+
+# Hostile layouts of the key: (name, change to a copy of the store, the key verify is asked
+# for, the exit code, what the line must name). Each is applied to a fresh copy of the store.
+KeyLayout = Callable[[Path, Generations], None]
+
+
+def _key_dir(store: Path, key: str = KEY) -> Path:
+    return store / key
+
+
+def generation_symlinked_to_the_older(store: Path, gens: Generations) -> None:
+    gen = _key_dir(store) / gens.new.name
+    shutil.rmtree(gen)
+    gen.symlink_to(_key_dir(store) / gens.old.name)
+
+
+def generation_symlinked_out_of_the_store(store: Path, gens: Generations) -> None:
+    gen = _key_dir(store) / gens.new.name
+    gen.rename(store.parent / "outside-generation")
+    gen.symlink_to(store.parent / "outside-generation")
+
+
+def current_symlinked(store: Path, gens: Generations) -> None:
+    (store.parent / "outside-CURRENT").write_text(gens.new.name + "\n")
+    (_key_dir(store) / "CURRENT").unlink()
+    (_key_dir(store) / "CURRENT").symlink_to(store.parent / "outside-CURRENT")
+
+
+def current_a_fifo(store: Path, gens: Generations) -> None:
+    (_key_dir(store) / "CURRENT").unlink()
+    os.mkfifo(_key_dir(store) / "CURRENT")
+
+
+def arch_dir_symlinked(store: Path, gens: Generations) -> None:
+    _key_dir(store).rename(store.parent / "outside-arch")
+    _key_dir(store).symlink_to(store.parent / "outside-arch")
+
+
+def name_dir_symlinked(store: Path, gens: Generations) -> None:
+    _key_dir(store).parent.rename(store.parent / "outside-name")
+    _key_dir(store).parent.symlink_to(store.parent / "outside-name")
+
+
+def copied_into(key: str) -> KeyLayout:
+    """The current generation, signature and all, copied into another key and made current."""
+
+    def layout(store: Path, gens: Generations) -> None:
+        other = _key_dir(store, key)
+        other.mkdir(parents=True)
+        shutil.copytree(gens.new, other / gens.new.name)
+        (other / "CURRENT").write_text(gens.new.name + "\n")
+
+    return layout
+
+
+def generation_renamed(store: Path, gens: Generations) -> None:
+    renamed = _key_dir(store) / ("0" * 32)
+    (_key_dir(store) / gens.new.name).rename(renamed)
+    (_key_dir(store) / "CURRENT").write_text(renamed.name + "\n")
+
+
+KEY_LAYOUTS: dict[str, tuple[KeyLayout, str, ExitCode, tuple[str, ...]]] = {
+    "generation dir a symlink to the older generation": (
+        generation_symlinked_to_the_older,
+        KEY,
+        ExitCode.UNSAFE_PATH,
+        ("is a symlink",),
+    ),
+    "generation dir a symlink out of the store": (
+        generation_symlinked_out_of_the_store,
+        KEY,
+        ExitCode.UNSAFE_PATH,
+        ("outside-generation",),
+    ),
+    "CURRENT a symlink": (current_symlinked, KEY, ExitCode.UNSAFE_PATH, ("CURRENT: is a symlink",)),
+    "CURRENT a FIFO": (current_a_fifo, KEY, ExitCode.UNSAFE_PATH, ("CURRENT: not a regular file",)),
+    "arch dir a symlink": (
+        arch_dir_symlinked,
+        KEY,
+        ExitCode.UNSAFE_PATH,
+        (f"{ARCH}: is a symlink",),
+    ),
+    "name dir a symlink": (
+        name_dir_symlinked,
+        KEY,
+        ExitCode.UNSAFE_PATH,
+        ("corrupt: is a symlink",),
+    ),
+    "an sm_120a generation copied into the sm_90a key": (
+        copied_into("ci/corrupt/sm_90a"),
+        "ci/corrupt/sm_90a",
+        ExitCode.INTEGRITY,
+        (KEY, "ci/corrupt/sm_90a"),
+    ),
+    "a signed generation replayed into another KernelCache's key": (
+        copied_into(f"ci/other-model/{ARCH}"),
+        f"ci/other-model/{ARCH}",
+        ExitCode.INTEGRITY,
+        (KEY, f"ci/other-model/{ARCH}"),
+    ),
+    "the generation under another directory name": (
+        generation_renamed,
+        KEY,
+        ExitCode.INTEGRITY,
+        ("0" * 32,),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", KEY_LAYOUTS)
+def test_a_key_in_a_hostile_layout_is_refused(
+    generations: Generations, tmp_path: Path, name: str
+) -> None:
+    """Through the CLI as the init-container runs it, signature required, on a copy of the
+    store: exit code of the class, one line naming what is wrong, nothing materialized."""
+    layout, key, code, names = KEY_LAYOUTS[name]
+    store = tmp_path / "store"
+    shutil.copytree(generations.store, store, symlinks=True)
+    layout(store, generations)
+    target = tmp_path / "target"
+    target.mkdir()
+    arch = key.rsplit("/", 1)[-1]
+    proc = run_kernelcache(
+        "verify", "--store", str(store), "--key", key, "--arch", arch,
+        "--public-key", str(generations.public_key), "--require-signature",
+        "--materialize", str(target),
+    )  # fmt: skip
+    line = one_line_error(proc)
+    assert proc.returncode == code, line
+    for part in names:
+        assert part in line, (part, line)
+    assert not list(target.iterdir()), f"{name}: materialized"

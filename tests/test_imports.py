@@ -42,7 +42,9 @@ def test_verify_and_materialize_run_without_torch_or_dsl(tmp_path):
     (files / "k.o").write_bytes(b"\x7fELF" + bytes(1000))
     store = Store(tmp_path / "store")
     with store.writer("default/demo/sm_90a") as writer:
-        writer.publish(tmp_path / "files", {"digest": "blake3:" + "1" * 64, "factors": {}}, {})
+        writer.publish(
+            tmp_path / "files", {"digest": "blake3:" + "1" * 64, "factors": {"arch": "sm_90a"}}, {}
+        )
     target = tmp_path / "serve"
     target.mkdir()
     proc = slim_kernelcache(

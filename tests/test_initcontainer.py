@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -277,6 +278,97 @@ def key_dir_not_a_dir(gen: Path, tmp: Path) -> None:
     os.mkfifo(key_dir)
 
 
+# Hostile layouts: a generation of another key placed under this one, and names of the store
+# that are not what kernelcache writes there. Each verified on an older main.
+
+
+def point_current(key_dir: Path, gen_dir: Path) -> None:
+    """Copy gen_dir into key_dir under its own name and make CURRENT name it."""
+    shutil.copytree(gen_dir, key_dir / gen_dir.name, symlinks=True)
+    (key_dir / "CURRENT").write_text(gen_dir.name + "\n")
+
+
+def other_arch_copied_in(gen: Path, tmp: Path) -> None:
+    """An sm_120a generation of this KernelCache copied into the sm_90a key."""
+    other_key = f"{NS}/{NAME}/sm_120a"
+    point_current(gen.parent, publish(gen.parents[3], other_key, stamp=make_stamp(arch="sm_120a")))
+
+
+def other_model_replayed(gen: Path, tmp: Path) -> None:
+    """A generation of another KernelCache (another model), signed with the same key."""
+    other = publish(
+        gen.parents[3],
+        f"{NS}/other-model/{ARCH}",
+        stamp=make_stamp(**{"extra/model": "example/other-model"}),
+        signing_key=tmp / "keys" / "kernelcache-signing.key",
+    )
+    point_current(gen.parent, other)
+
+
+def renamed_generation(gen: Path, tmp: Path) -> None:
+    """This key's own generation under another directory name."""
+    renamed = gen.parent / ("0" * 32)
+    gen.rename(renamed)
+    (gen.parent / "CURRENT").write_text(renamed.name + "\n")
+
+
+def stamp_without_arch(gen: Path, tmp: Path) -> None:
+    """A generation whose stamp records no arch, as no current build writes one."""
+    factors = {k: v for k, v in make_stamp()["factors"].items() if k != "arch"}
+    publish(gen.parents[3], stamp=stamps.Stamp(factors).to_dict())
+
+
+def generation_symlinked_to_other_key(gen: Path, tmp: Path) -> None:
+    """Under a generation id: a symlink to another key's generation of the same content."""
+    other = publish(gen.parents[3], f"{NS}/copy/{ARCH}")
+    shutil.rmtree(gen)
+    gen.symlink_to(other)
+
+
+def generation_symlinked_outside(gen: Path, tmp: Path) -> None:
+    outside = tmp / "outside-generation"
+    gen.rename(outside)
+    gen.symlink_to(outside)
+
+
+def current_symlinked_outside(gen: Path, tmp: Path) -> None:
+    outside = tmp / "outside-current"
+    outside.write_text(gen.name + "\n")
+    (gen.parent / "CURRENT").unlink()
+    (gen.parent / "CURRENT").symlink_to(outside)
+
+
+def current_a_fifo(gen: Path, tmp: Path) -> None:
+    """A FIFO as CURRENT: reading it blocked verify forever."""
+    (gen.parent / "CURRENT").unlink()
+    os.mkfifo(gen.parent / "CURRENT")
+
+
+def key_segment_symlinked(levels: int) -> Callable[[Path, Path], None]:
+    """The arch (levels=1), name (2) or namespace (3) directory moved out and symlinked."""
+
+    def mutate(gen: Path, tmp: Path) -> None:
+        segment = gen.parents[levels - 1]
+        outside = tmp / f"outside-{segment.name}"
+        segment.rename(outside)
+        segment.symlink_to(outside)
+
+    return mutate
+
+
+def hard_linked_outside(gen: Path, tmp: Path) -> None:
+    os.link(gen / "files" / "cute-dsl" / "gemm_128x256.o", tmp / "outside-link.o")
+
+
+def artifact_mode_000(gen: Path, tmp: Path) -> None:
+    """Root still reads it; the serving user would not."""
+    (gen / "files" / "triton" / "k3x" / "matmul.cubin").chmod(0)
+
+
+def directory_mode_000(gen: Path, tmp: Path) -> None:
+    (gen / "files" / "triton" / "k3x").chmod(0)
+
+
 @dataclass
 class Case:
     mutate: Callable[[Path, Path], None] | None
@@ -395,6 +487,58 @@ CASES = {
         ExitCode.SIGNATURE,
         ("absent.pub",),
         signed=True,
+    ),
+    "another arch's generation copied into this key": Case(
+        other_arch_copied_in, BY_KEY, ExitCode.INTEGRITY, (f"{NS}/{NAME}/sm_120a", KEY)
+    ),
+    "another arch's generation copied into this key (--check-env)": Case(
+        other_arch_copied_in,
+        (*BY_KEY, "--check-env"),
+        ExitCode.INTEGRITY,
+        (f"{NS}/{NAME}/sm_120a", KEY),
+    ),
+    "another KernelCache's signed generation replayed into this key": Case(
+        other_model_replayed,
+        (*BY_KEY, "--public-key", "OUR_KEY", "--require-signature"),
+        ExitCode.INTEGRITY,
+        (f"{NS}/other-model/{ARCH}", KEY),
+        signed=True,
+    ),
+    "generation under another directory name": Case(
+        renamed_generation, BY_KEY, ExitCode.INTEGRITY, ("0" * 32, "not")
+    ),
+    "stamp without an arch (an older manifest)": Case(
+        stamp_without_arch, BY_KEY, ExitCode.STAMP_MISMATCH, ("no arch", "rebuild")
+    ),
+    "generation dir a symlink to another key's generation": Case(
+        generation_symlinked_to_other_key,
+        BY_KEY,
+        ExitCode.UNSAFE_PATH,
+        ("is a symlink", f"{NS}/copy/{ARCH}"),
+    ),
+    "generation dir a symlink out of the store": Case(
+        generation_symlinked_outside, BY_KEY, ExitCode.UNSAFE_PATH, ("outside-generation",)
+    ),
+    "CURRENT a symlink": Case(
+        current_symlinked_outside, BY_KEY, ExitCode.UNSAFE_PATH, ("CURRENT: is a symlink",)
+    ),
+    "CURRENT a FIFO": Case(
+        current_a_fifo, BY_KEY, ExitCode.UNSAFE_PATH, ("CURRENT: not a regular file",)
+    ),
+    "arch dir a symlink": Case(
+        key_segment_symlinked(1), BY_KEY, ExitCode.UNSAFE_PATH, (f"{ARCH}: is a symlink",)
+    ),
+    "namespace dir a symlink": Case(
+        key_segment_symlinked(3), BY_KEY, ExitCode.UNSAFE_PATH, (f"{NS}: is a symlink",)
+    ),
+    "artifact hard-linked outside the generation": Case(
+        hard_linked_outside, BY_KEY, ExitCode.UNSAFE_PATH, ("gemm_128x256.o", "2 hard links")
+    ),
+    "artifact of mode 000 (verify as root)": Case(
+        artifact_mode_000, BY_KEY, ExitCode.IO, ("matmul.cubin", "mode 0000")
+    ),
+    "directory of mode 000 (verify as root)": Case(
+        directory_mode_000, BY_KEY, ExitCode.IO, ("k3x", "mode 0000")
     ),
     "unreadable PVC: store is a file": Case(
         None, (*BY_KEY, "--store", "STORE_FILE"), ExitCode.IO, ("pvc-file", "store not readable")

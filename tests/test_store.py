@@ -8,9 +8,11 @@ import os
 import random
 import re
 import shutil
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,7 +84,8 @@ def publish(store: Store, files: dict[str, bytes], label: str = "one", **kwargs)
 
 
 def transient(key_dir: Path) -> list[str]:
-    return [n for n in os.listdir(key_dir) if n.startswith((".staging-", ".trash-", ".CURRENT."))]
+    transient_prefixes = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
+    return [n for n in os.listdir(key_dir) if n.startswith(transient_prefixes)]
 
 
 @pytest.fixture
@@ -176,6 +179,34 @@ def test_republish_replaces_a_generation_that_no_longer_verifies(store: Store) -
     assert verify(store.current(KEY)).ok
 
 
+def test_publish_replaces_what_lies_under_its_generation_id(store: Store, tmp_path: Path) -> None:
+    """A symlink (to a copy outside the store) or a file where the new generation goes is
+    not the generation: it is replaced, and the published directory is the store's own."""
+    manifest = publish(store, random_files(1))
+    gen_dir = store.key_dir(KEY) / manifest.generation
+    outside = tmp_path / "outside"
+    shutil.copytree(gen_dir, outside)
+    for planted in ("symlink", "file"):
+        shutil.rmtree(gen_dir)
+        if planted == "symlink":
+            gen_dir.symlink_to(outside)
+        else:
+            gen_dir.write_text("not a generation\n")
+        assert publish(store, random_files(1)).generation == manifest.generation, planted
+        assert not gen_dir.is_symlink() and verify(gen_dir, key=KEY).ok, planted
+        assert transient(store.key_dir(KEY)) == [], planted
+
+
+def test_a_symlinked_lock_file_is_not_followed(store: Store, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    store.key_dir(KEY).mkdir(parents=True)
+    (store.key_dir(KEY) / ".lock").symlink_to(victim)
+    with pytest.raises(StorageError, match="ELOOP"), store.writer(KEY):
+        pass
+    assert victim.read_text() == "precious\n"
+
+
 def test_unpublished_staging_is_removed_when_the_writer_closes(store: Store) -> None:
     with store.writer(KEY) as writer:
         staging = writer.staging()
@@ -219,12 +250,58 @@ def test_bad_keys_are_refused(store: Store, key: str) -> None:
 # --------------------------------------------------------------------------- gc
 
 
-def test_publish_keeps_the_newest_generations(store: Store) -> None:
+def test_publish_keeps_the_newest_generations_besides_the_current_one(store: Store) -> None:
     ids = [publish(store, random_files(i), label=str(i), keep=2).generation for i in range(4)]
-    assert [m.generation for m in store.generations(KEY)] == ids[-2:]
+    assert [m.generation for m in store.generations(KEY)] == ids[-3:]
+    assert store.current(KEY).name == ids[-1]
+
+
+def test_retention_orders_by_when_each_generation_was_last_current(store: Store) -> None:
+    """A, B, A again (the same content: its first creation time), then C: A is the one
+    CURRENT named before C, the rollback target, and it is kept over B."""
+    a = publish(store, random_files(1), label="a", keep=5).generation
+    b = publish(store, random_files(2), label="b", keep=5).generation
+    assert publish(store, random_files(1), label="a", keep=5).generation == a
+    c = publish(store, random_files(3), label="c", keep=1).generation
+    assert store.current(KEY).name == c
+    assert sorted(m.generation for m in store.generations(KEY)) == sorted([a, c])
+    assert [path.name for path, _ in store.rollback_order(KEY)] == [a]
+    assert not (store.key_dir(KEY) / b).exists()
+
+
+def test_make_current_again_points_current_at_a_kept_generation_of_the_stamp(
+    store: Store, tmp_path: Path
+) -> None:
+    """No files are staged: the kept generation is verified, re-signed, made current, and
+    old generations collected as a publish does."""
+    priv, pub = generate_keypair(tmp_path / "keys")
+    a = publish(store, random_files(1), label="a", keep=5)
+    b = publish(store, random_files(2), label="b", keep=5)
+    with store.writer(KEY) as writer:
+        assert writer.make_current_again(stamp("other")["digest"]) is None
+        assert store.current(KEY).name == b.generation
+        again = writer.make_current_again(a.stamp["digest"], signing_key=priv, keep=0)
+    assert again == a
+    assert store.current(KEY).name == a.generation
+    assert verify(store.current(KEY), key=KEY, public_key=pub, require_signature=True).ok
+    assert [m.generation for m in store.generations(KEY)] == [a.generation]  # keep=0
+
+
+def test_make_current_again_skips_a_kept_generation_that_no_longer_verifies(
+    store: Store,
+) -> None:
+    a = publish(store, random_files(1), label="a", keep=5)
+    publish(store, random_files(2), label="b", keep=5)
+    victim = store.key_dir(KEY) / a.generation / "files" / "cute" / "def" / "gemm.o"
+    victim.write_bytes(b"corrupted")
+    with store.writer(KEY) as writer:
+        assert writer.make_current_again(a.stamp["digest"]) is None
+    assert store.current(KEY).name != a.generation
 
 
 def test_gc_keeps_newest_and_always_current(store: Store) -> None:
+    """keep counts generations besides the current one; CURRENT set by hand (a rollback no
+    writer recorded) still keeps the one it replaced, by that one's creation time."""
     ids = [publish(store, random_files(i), label=str(i), keep=10).generation for i in range(4)]
     assert [m.generation for m in store.generations(KEY)] == ids  # oldest → newest
     (store.key_dir(KEY) / CURRENT_NAME).write_text(ids[0] + "\n")  # a rollback
@@ -686,6 +763,75 @@ def test_materialize_replaces_an_incomplete_copy(store: Store, tmp_path: Path) -
     out = materialize(store.current(KEY), manifest, tmp_path / "target")
     assert out == stale
     assert verify(out).ok
+
+
+@contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(root: Path) -> dict[str, int]:
+    """The permission bits of every entry under root (root itself as ".")."""
+    found = {".": stat.S_IMODE(root.lstat().st_mode)}
+    for path in root.rglob("*"):
+        found[path.relative_to(root).as_posix()] = stat.S_IMODE(path.lstat().st_mode)
+    return found
+
+
+def test_published_files_are_the_generations_own_and_readable_by_all(
+    store: Store, tmp_path: Path
+) -> None:
+    """A warmer under umask 077 that hard-links its cache to a file of its own: the
+    generation holds a copy (editing the warmer's file changes nothing published), and every
+    entry is readable by a serving user (an executable stays executable)."""
+    outside = tmp_path / "warmer-cache.bin"
+    outside.write_bytes(b"\x7fELF kernel")
+    with umask(0o077), store.writer(KEY) as writer:
+        staging = writer.staging()
+        (staging / "triton" / "abc").mkdir(parents=True)
+        os.link(outside, staging / "triton" / "abc" / "kernel.cubin")
+        (staging / "triton" / "abc" / "launcher.so").write_bytes(b"so")
+        (staging / "triton" / "abc" / "launcher.so").chmod(0o700)
+        manifest = writer.publish(staging, stamp(), {})
+    gen_dir = store.current(KEY)
+    kernel = gen_dir / "files" / "triton" / "abc" / "kernel.cubin"
+    assert kernel.stat().st_nlink == 1 and outside.stat().st_nlink == 1
+    outside.write_bytes(b"changed by the warmer")
+    assert kernel.read_bytes() == b"\x7fELF kernel"
+    assert modes(gen_dir) == {
+        ".": 0o755,
+        MANIFEST_NAME: 0o644,
+        "files": 0o755,
+        "files/triton": 0o755,
+        "files/triton/abc": 0o755,
+        "files/triton/abc/kernel.cubin": 0o644,
+        "files/triton/abc/launcher.so": 0o755,
+    }
+    assert stat.S_IMODE((store.key_dir(KEY) / CURRENT_NAME).stat().st_mode) == 0o644
+    assert verify(gen_dir, key=KEY).ok and manifest.generation == gen_dir.name
+
+
+def test_materialized_files_are_readable_by_all_whatever_the_store_holds(
+    store: Store, tmp_path: Path
+) -> None:
+    """The store's copy made owner-only after publishing (root's init-container still reads
+    it), materialized under umask 077: the serving user can read every file of the copy."""
+    publish(store, random_files(1))
+    gen_dir = store.current(KEY)
+    (gen_dir / "files" / "cute" / "def" / "gemm.o").chmod(0o600)
+    (gen_dir / "files" / "cute" / "def").chmod(0o700)
+    result = verify(gen_dir, key=KEY)
+    assert result.ok, result.problems
+    assert result.manifest is not None
+    with umask(0o077):
+        out = materialize(gen_dir, result.manifest, tmp_path / "target")
+    for rel, mode in modes(out).items():
+        is_dir = (out / rel).is_dir()
+        assert mode == (0o755 if is_dir else 0o644), (rel, oct(mode))
 
 
 # --------------------------------------------------------------------------- readers

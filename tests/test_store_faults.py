@@ -1,10 +1,10 @@
 """Fault injection against kernelcache.store with real faults, no mocks: a publisher killed
 with SIGKILL at over 500 seeded random points (before a step of publishing, after a delay,
-and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a warm
-process killed while its warmer lives on, a full filesystem, a file-size limit, and a lock
-holder that dies. The store must always leave CURRENT naming a complete generation that
-verifies, and the next writer must clean up whatever a dead one left. Writers racing for a
-key: tests/test_concurrency.py."""
+and the real ``kernelcache warm``/``build`` commands: the ``*_KILLS`` constants), a re-point
+of CURRENT killed before each of its steps, a warm process killed while its warmer lives
+on, a full filesystem, a file-size limit, and a lock holder that dies. The store must
+always leave CURRENT naming a complete generation that verifies, and the next writer must
+clean up whatever a dead one left. Writers racing for a key: tests/test_concurrency.py."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ import pytest
 from kernelcache.errors import ExitCode, LockedError, StorageError
 from kernelcache.store import MANIFEST_NAME, FileEntry, Store, generation_id, verify
 from tests.conftest import subprocess_env, write_warmer_spec
-from tests.helpers.store_worker import PHASES
+from tests.helpers.store_worker import PHASES, REPOINT_PHASES, publish_random, stamp_for
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 KEY = "faults/model/sm_90a"
 STAMP = {"digest": "blake3:seed", "compile_digest": "c", "factors": {}, "factor_digests": {}}
-TRANSIENT = (".staging-", ".trash-", ".CURRENT.")
+TRANSIENT = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
 
 
 def start_worker(*args: str | Path) -> subprocess.Popen[bytes]:
@@ -97,12 +97,12 @@ MAX_KILL_DELAY = 0.1  # seconds: a few publish cycles
 class Publishers:
     """``store_worker.py serve``: one looping publisher forked per kill, imports paid once."""
 
-    def __init__(self, store: Store, tmp_path: Path) -> None:
+    def __init__(self, store: Store, tmp_path: Path, mode: str = "publish") -> None:
         self.trace = tmp_path / "trace"
         self._stderr = tmp_path / "publishers.stderr"
         with self._stderr.open("wb") as stderr:
             self._proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "serve", str(store.root), KEY, str(self.trace)],
+                [sys.executable, str(WORKER), "serve", str(store.root), KEY, str(self.trace), mode],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -121,6 +121,16 @@ class Publishers:
         if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
             pytest.fail(f"publisher {seed} ended by itself ({status}): {self._stderr_tail()}")
         return self.trace.read_text().strip()
+
+    def run_to_step(self, seed: str, kill_at: int) -> tuple[bool, str]:
+        """Fork a child that SIGKILLs itself before step kill_at; (killed, its last phase).
+        A child that finishes first must exit 0."""
+        self._ask(f"{seed} {kill_at}")
+        status = int(self._ask("reap"))
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        if not killed and not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            pytest.fail(f"child {seed} failed ({status}): {self._stderr_tail()}")
+        return killed, self.trace.read_text().strip()
 
     def close(self) -> None:
         assert self._proc.stdin is not None
@@ -221,6 +231,43 @@ def test_sigkill_after_seeded_delays_never_exposes_a_partial_generation(
     assert len(tally.phases) >= 3, tally
     assert tally.with_leftovers >= TIMED_KILLS // 10, tally
     assert len(tally.currents) >= TIMED_KILLS // 10, tally
+
+
+def test_sigkill_at_every_step_of_a_repoint_leaves_the_previous_current(tmp_path: Path) -> None:
+    """Making a kept generation current again (a reverted spec), killed before each of its
+    steps in turn until one run finishes: until the CURRENT swap, CURRENT still names the
+    previous generation, after it the kept one, and every generation verifies each time."""
+    store = Store(tmp_path / "store")
+    with store.writer(KEY) as writer:
+        kept, dropped, previous = (publish_random(writer, seed) for seed in ("a", "b", "c"))
+    workers = Publishers(store, tmp_path, mode="repoint")
+    phases: Counter[str] = Counter()
+    try:
+        for kill_at in range(1, 500):
+            with store.writer(KEY) as writer:  # back to c current, b kept (keep=1 drops it)
+                publish_random(writer, "b")
+                assert writer.make_current_again(str(stamp_for("c")["digest"]), keep=5)
+            killed, phase = workers.run_to_step("a", kill_at)
+            where = f"killed before step {kill_at}, in {phase}"
+            current = assert_every_generation_verifies(store, KEY, where)
+            if not killed:
+                assert current == kept, where
+                break
+            phases[phase] += 1
+            if phase in ("lock", "verify", "history"):
+                assert current == previous, where
+            elif phase == "current":
+                assert current in (previous, kept), where
+            else:
+                assert current == kept, where
+            assert_next_writer_cleans_up(store, where=where)
+        else:
+            pytest.fail(f"a re-point never finished: {phases}")
+    finally:
+        workers.close()
+    assert set(phases) == set(REPOINT_PHASES), phases
+    print(f"\nre-point: killed before each of its {sum(phases.values())} steps: {dict(phases)}")
+    assert not (store.key_dir(KEY) / dropped).exists()  # collected: keep=1 besides the kept
 
 
 # A `command` warmer: says it started, then writes 2 MB derived from ROUND_SEED.
@@ -440,8 +487,9 @@ def test_full_disk_while_writing_the_manifest(tiny_tmpfs: Path) -> None:
 
 
 def test_no_room_for_current_takes_back_the_new_generation(tiny_tmpfs: Path) -> None:
-    """The last step that needs space is CURRENT's temporary file: with no inode left for
-    it, the already renamed new generation is removed again and CURRENT stays."""
+    """The last step that needs space is CURRENT's temporary file (after HISTORY.json's):
+    with no inode left for it, the already renamed new generation is removed again and
+    CURRENT stays."""
     store = Store(tiny_tmpfs / "store")
     before = seed_generation(store)
     filler = tiny_tmpfs / "filler"
@@ -450,7 +498,9 @@ def test_no_room_for_current_takes_back_the_new_generation(tiny_tmpfs: Path) -> 
     with store.writer(KEY) as writer:
         staging = writer.staging()
         (staging / "new.bin").write_bytes(b"new")
-        for i in range(os.statvfs(tiny_tmpfs).f_ffree - 1):  # one inode left: MANIFEST.json's
+        # Two inodes left: MANIFEST.json's and HISTORY.json's (the first one, recording the
+        # seed generation as replaced).
+        for i in range(os.statvfs(tiny_tmpfs).f_ffree - 2):
             (filler / str(i)).touch()
         with pytest.raises(StorageError) as err:
             writer.publish(staging, {**STAMP, "digest": "blake3:new"}, {})

@@ -2,9 +2,10 @@
 
 ``warm_arch`` is what one compile Job runs (``kernelcache warm``): it takes the key's writer
 lock, re-checks whether the current generation already has this stamp (two builders of one
-key produce one generation), warms into a staging dir and publishes. ``build`` runs
-``kernelcache warm`` once per arch, each in its own process, because ``CUTE_DSL_ARCH`` is read
-when the DSL is imported.
+key produce one generation), points CURRENT back at a kept generation that has it (a
+reverted spec or image: nothing compiled), else warms into a staging dir and publishes.
+``build`` runs ``kernelcache warm`` once per arch, each in its own process, because
+``CUTE_DSL_ARCH`` is read when the DSL is imported.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ArchResult:
     """One arch's outcome, printed in the build table and passed from the warm process."""
 
     arch: str
-    status: str  # published | up-to-date | failed
+    status: str  # published | up-to-date | re-pointed (a kept generation made current) | failed
     generation: str | None = None
     stamp: str | None = None
     files: int = 0
@@ -85,7 +86,8 @@ def warm_arch(
     signing_key: Any = None,
     force: bool = False,
 ) -> ArchResult:
-    """Warm, seal and publish one arch; a no-op when the current generation has this stamp."""
+    """Warm, seal and publish one arch; a no-op when the current generation has this stamp,
+    a re-point of CURRENT when a kept one has it (unless ``force``)."""
     start = time.perf_counter()
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     warmers = make_warmers(kc.spec.warmers, spec_dir, kc.spec.gpu_classes)
@@ -105,6 +107,13 @@ def warm_arch(
             return ArchResult.from_manifest(
                 arch, "up-to-date", current, time.perf_counter() - start
             )
+        kept = None
+        if not force:
+            kept = writer.make_current_again(
+                stamp.digest, signing_key=signing_key, keep=kc.spec.retention.generations
+            )
+        if kept is not None:
+            return ArchResult.from_manifest(arch, "re-pointed", kept, time.perf_counter() - start)
         files_dir = writer.staging()
         report = run_warmers(warmers, files_dir, arch)
         manifest = writer.publish(

@@ -286,7 +286,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Remove old generations, keeping the newest N and always the current one."""
+    """Remove old generations: the current one stays, and the N most recently current
+    besides it (the rollback targets)."""
     store = _existing_store(args.store)
     for key in [_published_key(store, args.key)] if args.key else store.keys():
         removed = store.gc(key, keep=args.keep)
@@ -461,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_arg(p)
     p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
     p.add_argument(
-        "--keep", type=_non_negative, default=2, help="generations to keep per key (default 2)"
+        "--keep", type=_non_negative, default=2, help="kept besides the current (default 2)"
     )
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")

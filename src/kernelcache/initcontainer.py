@@ -11,8 +11,9 @@
 2. **The generation** that CURRENT names for ``<namespace>/<name>/<arch>`` on the read-only
    store (or an explicit ``--key``).
 3. **Integrity and signature**: ``store.verify`` (every digest, in parallel; nothing unlisted;
-   no symlink or path out of the generation; the ed25519 signature when a key is given or
-   one is required).
+   no symlink, hard link or path out of the generation, nothing only root can read; the
+   manifest published for this very key under this directory's name; the ed25519 signature
+   when a key is given or one is required).
 4. **The stamp against the pod**: the node's arch, the engine image and any factor the pod
    declares, this environment (``--check-env``, when the init-container runs in the serving
    image), and the GPU product for autotune results (``--policy``, see ``tune_scoped_files``).
@@ -360,10 +361,29 @@ def _tuning_to_drop(manifest: Manifest, node: NodeInfo, policy: str) -> tuple[li
     return tuned, f"{diff} ({where}): dropped {what} (policy permissive)"
 
 
+def _built_arch(manifest: Manifest, key: str) -> str:
+    """The arch the stamp was computed for, which must be the key's arch.
+
+    ``store.verify`` has checked that the manifest names this key; the stamp's arch must
+    agree with it (an arch the stamp does not record is not taken from the key: the
+    generation is then not bound to an arch at all).
+    """
+    built = _factors(manifest).get("arch")
+    key_arch = key.rsplit("/", 1)[-1]
+    if not built:
+        raise StampMismatchError(
+            f"{key}: generation {manifest.generation} has no arch in its stamp (written by an "
+            "older kernelcache): rebuild it (kernelcache build --force)"
+        )
+    if built != key_arch:
+        raise _mismatch("arch", built, key_arch, f"the arch of key {key}")
+    return built
+
+
 def _check_stamp(manifest: Manifest, key: str, node: NodeInfo, options: Options) -> None:
     """Refuse a generation built for another arch, image, package or environment."""
     factors = _factors(manifest)
-    built_arch = factors.get("arch") or key.rsplit("/", 1)[-1]
+    built_arch = _built_arch(manifest, key)
     if node.arch is not None and built_arch != node.arch:
         raise _mismatch("arch", built_arch, node.arch, f"node, from {node.arch_source}")
     if options.expect_image is not None:
@@ -481,6 +501,7 @@ def run(
     copied = target is not None and (target / gen_dir.name / COMPLETE_MARKER).is_file()
     result = verify(
         gen_dir,
+        key=key,
         public_key=public_key,
         require_signature=options.require_signature,
         workers=options.workers,

@@ -8,6 +8,7 @@ Layout under a store root::
             MANIFEST.json                 what files/ holds: path, size and blake3 of each file
             MANIFEST.json.sig             optional ed25519 signature of MANIFEST.json's bytes
         CURRENT                           the id of the generation readers use
+        HISTORY.json                      when each generation was last replaced as CURRENT
         .lock                             flock()ed by the key's one writer
         .staging-<pid>-<rand>/            a generation being built (transient)
 
@@ -25,6 +26,13 @@ What a crash can leave behind are directories and files under hidden names (``.s
 Garbage collection never deletes the generation CURRENT names, and removes the others by
 first renaming them to a hidden trash name, so a half-deleted generation is never visible
 under its id (where a later publish of the same content would otherwise reuse it).
+
+Retention. ``keep`` counts generations besides the current one, newest first by when each
+was last current: a rollback target is the generation CURRENT named before, however old its
+content. A writer records in HISTORY.json (atomically, before the CURRENT swap) the moment
+the outgoing generation stopped being current; a generation never replaced counts from its
+``created`` time. A build whose stamp matches a kept generation points CURRENT back at it
+(``Writer.make_current_again``) instead of compiling it again.
 
 Readers never lock: CURRENT is replaced atomically, so it always holds one whole id, and the
 generation it names is immutable. A reader slow enough for two publishes to pass it may find
@@ -110,12 +118,14 @@ MANIFEST_FORMAT = "kernelcache.dev/manifest/v1"
 MANIFEST_NAME = "MANIFEST.json"
 SIGNATURE_NAME = "MANIFEST.json.sig"
 CURRENT_NAME = "CURRENT"
+HISTORY_NAME = "HISTORY.json"
+HISTORY_FORMAT = "kernelcache.dev/history/v1"
 LOCK_NAME = ".lock"
 FILES_DIR = "files"
 COMPLETE_MARKER = ".complete"
 
 # Hidden names a crashed writer can leave in a key directory; the next writer removes them.
-_TRANSIENT_PREFIXES = (".staging-", ".trash-", ".CURRENT.")
+_TRANSIENT_PREFIXES = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
 
 _SEGMENT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _GENERATION_RE = re.compile(r"^[0-9a-f]{16,64}$")
@@ -170,10 +180,12 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 def write_file_synced(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Create path (it must not exist) holding data, on disk before this returns."""
+    """Create path (it must not exist) holding data, on disk before this returns; its mode is
+    exactly mode, whatever the umask (readers of a store may run as another user)."""
     with io_errors(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            os.fchmod(fd, mode)
             _write_all(fd, data)
             os.fsync(fd)
         finally:
@@ -196,13 +208,45 @@ def _open_regular(path: Path) -> tuple[int, os.stat_result]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path}: is a symlink", path=str(path)) from exc
+            raise UnsafePathError(
+                f"{path}: is a symlink (to {_link_target(path)!r})", path=str(path)
+            ) from exc
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise UnsafePathError(f"{path}: not a regular file", path=str(path))
     return fd, st
+
+
+def _shareable_mode(st_mode: int) -> int:
+    """The mode a stored or materialized file gets: readable by every user (a serving process
+    runs as its own user), executable by all when it was by anyone, writable by none but its
+    owner, whatever the warmer's umask or the store's copy holds."""
+    return 0o755 if st_mode & 0o111 else 0o644
+
+
+def _mode_problem(st: os.stat_result) -> str | None:
+    """Why an entry of a generation is unusable by a non-root reader, or None.
+
+    Root reads a file of mode 0000 and lists a directory of mode 0000, so a check that only
+    opens them passes as root while every other reader fails: refuse the mode itself.
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        if not any(mode >> shift & 0o5 == 0o5 for shift in (6, 3, 0)):
+            return f"mode {mode:04o}: no user but root can list this directory"
+    elif not mode & 0o444:
+        return f"mode {mode:04o}: no user but root can read this file"
+    return None
+
+
+def _hard_link_problem(st: os.stat_result) -> str | None:
+    """A file of a generation with other names can change through them after it was
+    verified (or be another generation's file): each file must be the generation's own."""
+    if st.st_nlink > 1:
+        return f"has {st.st_nlink} hard links: it can change through a name outside the generation"
+    return None
 
 
 def _hash_fd(
@@ -348,20 +392,46 @@ def _digest_one(root: Path, rel: str, fsync: bool) -> FileEntry:
     return FileEntry(rel, size, digest)
 
 
+def _seal_one(root: Path, rel: str) -> FileEntry:
+    """Digest and fsync a staged file, made the generation's own first: a file with other
+    hard links (a warmer that linked its cache to elsewhere) is replaced by a copy, and
+    every file gets ``_shareable_mode``."""
+    path = root / rel
+    with io_errors(path):
+        if os.lstat(path).st_nlink > 1:
+            copy = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+            digest, size = _copy_file(path, copy)
+            os.replace(copy, path)
+            return FileEntry(rel, size, digest)
+        fd, st = _open_regular(path)
+        try:
+            if stat.S_IMODE(st.st_mode) != _shareable_mode(st.st_mode):
+                os.fchmod(fd, _shareable_mode(st.st_mode))
+            digest, size = _hash_fd(fd, st.st_size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return FileEntry(rel, size, digest)
+
+
 def _digest_files(
-    root: Path, files: list[tuple[str, int]], workers: int | None, fsync: bool
+    root: Path, files: list[tuple[str, int]], workers: int | None, seal: bool
 ) -> list[FileEntry]:
+    """Digest files in parallel; ``seal``: as ``_seal_one`` (the staged files of a publish)."""
     # Largest first, so one big file does not start last and leave the other threads idle.
     ordered = sorted(files, key=lambda f: -f[1])
-    entries = _parallel(lambda f: _digest_one(root, f[0], fsync), ordered, workers)
-    return sorted(entries, key=lambda e: e.path)
+
+    def one(item: tuple[str, int]) -> FileEntry:
+        return _seal_one(root, item[0]) if seal else _digest_one(root, item[0], fsync=False)
+
+    return sorted(_parallel(one, ordered, workers), key=lambda e: e.path)
 
 
 def digest_tree(root: Path, workers: int | None = None) -> list[FileEntry]:
     """Digest every file under root in parallel, sorted by path; symlinks are refused."""
     root = Path(root)
     files, _ = _regular_files(root)
-    return _digest_files(root, files, workers, fsync=False)
+    return _digest_files(root, files, workers, seal=False)
 
 
 def generation_id(stamp_digest: str, files: Iterable[FileEntry]) -> str:
@@ -773,6 +843,7 @@ class VerifyResult:
 def verify(
     gen_dir: Path,
     *,
+    key: str | None = None,
     public_key: PublicKeyLike | None = None,
     require_signature: bool = False,
     workers: int | None = None,
@@ -780,16 +851,19 @@ def verify(
 ) -> VerifyResult:
     """Check a generation against its manifest; content problems are returned, not raised.
 
-    Checks, in order: the manifest parses; its signature (when a key is given or one is
-    required); its paths are safe; files/ holds no symlink or special file; every listed
-    file is present with its size and digest; nothing unlisted is in files/.
+    Checks, in order: the generation directory is one (not a symlink); the manifest parses;
+    its signature (when a key is given or one is required); its paths are safe; with ``key``,
+    that the manifest was published for that key under this directory's name
+    (``_binding_problem``); files/ holds no symlink, special file, file with other hard links
+    or entry only root can read; every listed file is present with its size and digest;
+    nothing unlisted is in files/.
     ``digests=False`` skips only the digests, for a caller that materializes next:
     ``materialize`` checks every digest of the bytes it copies, so reading twice is waste.
     """
     started = time.monotonic()
     result = VerifyResult(Path(gen_dir), None, [], 0, 0.0)
     try:
-        _verify_into(result, public_key, require_signature, workers, digests)
+        _verify_into(result, key, public_key, require_signature, workers, digests)
     finally:
         result.seconds = time.monotonic() - started
     return result
@@ -797,6 +871,7 @@ def verify(
 
 def _verify_into(
     result: VerifyResult,
+    key: str | None,
     public_key: PublicKeyLike | None,
     require_signature: bool,
     workers: int | None,
@@ -808,12 +883,29 @@ def _verify_into(
     def add(code: ExitCode, path: Path | str, what: str) -> None:
         problems.append(Problem(code, str(path), f"{path}: {what}"))
 
-    if not gen_dir.is_dir():
+    try:
+        gen_st = os.lstat(gen_dir)
+    except OSError:
+        gen_st = None
+    if gen_st is not None and stat.S_ISLNK(gen_st.st_mode):
+        add(ExitCode.UNSAFE_PATH, gen_dir, f"is a symlink (to {_link_target(gen_dir)!r})")
+        return
+    if gen_st is None or not stat.S_ISDIR(gen_st.st_mode):
         add(ExitCode.MISSING_GENERATION, gen_dir, "no such generation directory")
+        return
+    if (unusable := _mode_problem(gen_st)) is not None:
+        add(ExitCode.IO, gen_dir, unusable)
         return
     manifest_path = gen_dir / MANIFEST_NAME
     try:
         data = _read_regular(manifest_path)
+        manifest_st = os.lstat(manifest_path)
+        if (unusable := _mode_problem(manifest_st)) is not None:
+            add(ExitCode.IO, manifest_path, unusable)
+            return
+        if (shared := _hard_link_problem(manifest_st)) is not None:
+            add(ExitCode.UNSAFE_PATH, manifest_path, shared)
+            return
     except FileNotFoundError:
         add(ExitCode.MALFORMED_MANIFEST, manifest_path, "missing")
         return
@@ -845,6 +937,9 @@ def _verify_into(
     if signature_problem is None and (altered := _checksum_problem(manifest)) is not None:
         add(ExitCode.MALFORMED_MANIFEST, manifest_path, altered)
         return  # its file list is not to be trusted either
+    if key is not None and (foreign := _binding_problem(manifest, key, gen_dir)) is not None:
+        add(ExitCode.INTEGRITY, manifest_path, foreign)
+        return  # another key's generation: what it holds is not this key's to check
     files_root = gen_dir / FILES_DIR
     on_disk: dict[str, int] = {}
     flagged: set[str] = set()  # symlinks and special files, already reported
@@ -853,15 +948,27 @@ def _verify_into(
             add(ExitCode.UNSAFE_PATH, files_root, "is a symlink")
             return
         if files_root.exists():
+            if (unusable := _mode_problem(os.lstat(files_root))) is not None:
+                add(ExitCode.IO, files_root, unusable)
+                return
             for rel, dirent in _walk(files_root):
                 if dirent.is_symlink():
                     target = os.readlink(dirent.path)
                     add(ExitCode.UNSAFE_PATH, dirent.path, f"is a symlink (to {target!r})")
                     flagged.add(rel)
-                elif dirent.is_file(follow_symlinks=False):
-                    on_disk[rel] = dirent.stat(follow_symlinks=False).st_size
-                elif not dirent.is_dir(follow_symlinks=False):
+                    continue
+                st = dirent.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    on_disk[rel] = st.st_size
+                    if (shared := _hard_link_problem(st)) is not None:
+                        add(ExitCode.UNSAFE_PATH, dirent.path, shared)
+                        flagged.add(rel)
+                elif not stat.S_ISDIR(st.st_mode):
                     add(ExitCode.INTEGRITY, dirent.path, "not a regular file")
+                    flagged.add(rel)
+                    continue
+                if rel not in flagged and (unusable := _mode_problem(st)) is not None:
+                    add(ExitCode.IO, dirent.path, unusable)
                     flagged.add(rel)
     except OSError as exc:
         err = _storage_error(exc, files_root)
@@ -918,6 +1025,30 @@ def _verify_into(
         )
 
 
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def _binding_problem(manifest: Manifest, key: str, gen_dir: Path) -> str | None:
+    """Why a generation is not the one ``key`` may serve, naming both sides; None when it is.
+
+    A manifest names the key it was published for (namespace, name and arch), and the
+    signature and checksum cover that with the rest of its bytes; neither covers the
+    directory the generation lies in. So a generation of another KernelCache or another
+    arch, copied or replayed into this key (with its signature intact), is refused here
+    rather than served. The directory must also be named by the manifest's generation id:
+    CURRENT names a directory, and that directory must hold that generation.
+    """
+    if manifest.key != key:
+        return f"published for key {manifest.key}, not for {key}"
+    if gen_dir.name != manifest.generation:
+        return f"holds generation {manifest.generation}, not {gen_dir.name} (its directory name)"
+    return None
+
+
 def _signature_problem(
     gen_dir: Path, manifest_bytes: bytes, public_key: PublicKeyLike | None
 ) -> Problem | None:
@@ -956,15 +1087,16 @@ def _signature_problem(
 
 
 def _copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
-    """Copy src to a new file dst in one read, returning the digest of the bytes copied."""
+    """Copy src to a new file dst in one read, returning the digest of the bytes copied.
+    dst gets ``_shareable_mode``, whatever src's mode and the umask."""
     with io_errors(src):
         fd, st = _open_regular(src)
     try:
         with io_errors(dst):
-            out = os.open(
-                dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, st.st_mode & 0o755
-            )
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            with io_errors(dst):
+                os.fchmod(out, _shareable_mode(st.st_mode))
 
             def write(chunk: memoryview) -> None:
                 with io_errors(dst):
@@ -983,10 +1115,12 @@ def _copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
 
 
 def _make_dirs(root: Path, rel_files: Iterable[str]) -> list[str]:
+    """Create root's subdirectories for rel_files, each listable by every user."""
     dirs = sorted({p for rel in rel_files for p in _parents(rel)})
-    for rel in dirs:
-        with io_errors(root / rel):
-            (root / rel).mkdir(exist_ok=True)
+    for path in [root, *(root / rel for rel in dirs)]:
+        with io_errors(path):
+            path.mkdir(exist_ok=True)
+            path.chmod(0o755)
     return dirs
 
 
@@ -1023,10 +1157,9 @@ def materialize(
     try:
         with io_errors(partial):
             partial.mkdir()
+            partial.chmod(0o755)  # the serving user lists it, whatever the umask
         _copy_manifest(gen_dir, manifest, partial)
         src_root, dst_root = gen_dir / FILES_DIR, partial / FILES_DIR
-        with io_errors(dst_root):
-            dst_root.mkdir()
         dirs = _make_dirs(dst_root, (e.path for e in manifest.files))
 
         def copy(entry: FileEntry) -> None:
@@ -1116,7 +1249,9 @@ class Store:
     def _read_current(self, key_dir: Path) -> str | None:
         path = key_dir / CURRENT_NAME
         try:
-            text = path.read_text(encoding="ascii", errors="replace").strip()
+            # Not through a symlink (CURRENT would name another key's generation), and
+            # never blocking on a FIFO.
+            text = _read_regular(path).decode("ascii", errors="replace").strip()
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -1126,13 +1261,19 @@ class Store:
         return text
 
     def current(self, key: str) -> Path | None:
-        """The generation directory CURRENT names, or None before the first publish."""
+        """The generation directory CURRENT names, or None before the first publish.
+
+        Every name from the root down to the generation must be what it says (a directory,
+        CURRENT a regular file), never a symlink: one would lead to another key's
+        generation, or out of the store (``_check_key_path``).
+        """
         key_dir = self.key_dir(key)
+        self._check_key_path(key)
         gen_id = self._read_current(key_dir)
         for _ in range(3):
             if gen_id is None:
                 return None
-            if (key_dir / gen_id).is_dir():
+            if _is_real_dir(key_dir / gen_id):
                 return key_dir / gen_id
             # Collected after we read CURRENT: CURRENT must have moved on since.
             again = self._read_current(key_dir)
@@ -1143,6 +1284,30 @@ class Store:
             f"{key_dir / CURRENT_NAME}: names generation {gen_id}, which does not exist",
             path=str(key_dir / CURRENT_NAME),
         )
+
+    def _check_key_path(self, key: str) -> None:
+        """Refuse a key whose namespace, name or arch directory is a symlink or no directory.
+
+        The root itself may be a symlink (a mount point chosen by whoever runs kernelcache);
+        below it the store's own layout is trusted only as kernelcache writes it.
+        """
+        path = self.root
+        for segment in key.split("/"):
+            path = path / segment
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return  # nothing published there yet
+            except OSError as exc:
+                raise _storage_error(exc, path) from exc
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(
+                    f"{path}: is a symlink (to {_link_target(path)!r}); a key's directories "
+                    "must be the store's own",
+                    path=str(path),
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise StorageError(f"{path}: not a directory", path=str(path))
 
     def current_manifest(self, key: str) -> Manifest | None:
         gen_dir = self.current(key)
@@ -1178,9 +1343,11 @@ class Store:
         """Hold the key's writer lock; waits at most timeout seconds (None: forever)."""
         key_dir = self.key_dir(key)
         lock_path = key_dir / LOCK_NAME
+        self._check_key_path(key)  # never publish into another key through a symlink
         with io_errors(key_dir):
             key_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Not through a symlink: the holder truncates the lock file to write its pid.
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             _lock(fd, lock_path, key, timeout)
             _remove_transient(key_dir)
@@ -1193,22 +1360,107 @@ class Store:
             os.close(fd)  # releases the lock
 
     def gc(self, key: str, keep: int, timeout: float | None = None) -> list[str]:
-        """Remove all but the newest `keep` generations and the one CURRENT names."""
+        """Remove all generations but the one CURRENT names and the `keep` most recently
+        current besides it (``rollback_order``)."""
         with self.writer(key, timeout=timeout):
             return self._gc_locked(key, keep)
+
+    def rollback_order(self, key: str) -> list[tuple[Path, Manifest | None]]:
+        """The key's generations other than the current one, the most recently current first
+        (the one CURRENT named before comes first: the rollback target)."""
+        key_dir = self.key_dir(key)
+        current = self._read_current(key_dir)  # a corrupt CURRENT raises: nothing to order
+        history = _read_history(key_dir)
+        others = [g for g in self._generation_dirs(key) if g[0].name != current]
+        return sorted(others, key=lambda g: (_last_current(g, history), g[0].name), reverse=True)
 
     def _gc_locked(self, key: str, keep: int) -> list[str]:
         if keep < 0:
             raise ValueError(f"keep must be >= 0, not {keep}")
         key_dir = self.key_dir(key)
-        current = self._read_current(key_dir)  # a corrupt CURRENT raises: delete nothing
-        found = self._generation_dirs(key)
         removed = []
-        for path, _ in found[: max(len(found) - keep, 0)]:
-            if path.name != current:
-                _trash(key_dir, path)
-                removed.append(path.name)
+        for path, _ in self.rollback_order(key)[keep:]:
+            _trash(key_dir, path)
+            removed.append(path.name)
         return removed
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A directory, not a symlink to one; a symlink under a generation's name is refused."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise _storage_error(exc, path) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(
+            f"{path}: is a symlink (to {_link_target(path)!r}); a generation must be a "
+            "directory of its key",
+            path=str(path),
+        )
+    return stat.S_ISDIR(st.st_mode)
+
+
+def _read_history(key_dir: Path) -> dict[str, datetime]:
+    """HISTORY.json: generation id -> when it was last replaced as CURRENT.
+
+    Only ordering depends on it, never what is served, so an unreadable or malformed history
+    counts as empty (with a warning): generations then order by their creation time.
+    """
+    path = key_dir / HISTORY_NAME
+    try:
+        doc = json.loads(_read_regular(path))
+        if doc.get("format") != HISTORY_FORMAT:
+            raise ValueError(f"format is not {HISTORY_FORMAT!r}")
+        return {
+            gen: _parse_created(when)
+            for gen, when in doc["replaced"].items()
+            if _GENERATION_RE.match(gen)
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, KernelCacheError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("%s: ignored (%s); generations order by creation time", path, exc)
+        return {}
+
+
+def _record_replaced(key_dir: Path, outgoing: str) -> None:
+    """Record that outgoing stops being CURRENT now; only a lock holder calls this, before
+    the CURRENT swap (a crash in between leaves a record for a generation still current,
+    which orders nothing: the current one is always kept). Entries of generations no longer
+    in the key are dropped."""
+    history = _read_history(key_dir)
+    history[outgoing] = datetime.now(timezone.utc)
+    doc = {
+        "format": HISTORY_FORMAT,
+        "replaced": {
+            gen: when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            for gen, when in sorted(history.items())
+            if os.path.lexists(key_dir / gen)
+        },
+    }
+    tmp = key_dir / f".HISTORY.{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        write_file_synced(tmp, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+        with io_errors(key_dir / HISTORY_NAME):
+            os.replace(tmp, key_dir / HISTORY_NAME)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(key_dir)  # on disk before CURRENT moves on
+
+
+def _last_current(
+    generation: tuple[Path, Manifest | None], history: dict[str, datetime]
+) -> datetime:
+    """When a generation was last current: when it was last replaced, else (never replaced,
+    or replaced before the history was kept) when it was created."""
+    path, manifest = generation
+    created = _created_or_oldest(manifest)
+    replaced = history.get(path.name)
+    return max(created, replaced) if replaced is not None else created
 
 
 def _lock(fd: int, lock_path: Path, key: str, timeout: float | None) -> None:
@@ -1277,7 +1529,16 @@ def _trash(key_dir: Path, path: Path) -> None:
         os.rename(path, trash)
     fsync_dir(key_dir)
     with io_errors(trash):
-        shutil.rmtree(trash)
+        if trash.is_symlink() or not trash.is_dir():  # a symlink or file under an id
+            trash.unlink()
+        else:
+            shutil.rmtree(trash)
+
+
+def _private_key(signing_key: PrivateKeyLike | None) -> Ed25519PrivateKey | None:
+    if signing_key is None or isinstance(signing_key, Ed25519PrivateKey):
+        return signing_key
+    return load_private_key(signing_key)
 
 
 class Writer:
@@ -1316,6 +1577,8 @@ class Writer:
             root.mkdir()
             self._stagings.add(root)
             (root / FILES_DIR).mkdir()
+            for path in (root, root / FILES_DIR):
+                path.chmod(0o755)
         return root / FILES_DIR
 
     def publish(
@@ -1339,8 +1602,7 @@ class Writer:
             raise ValueError("stamp has no 'digest'")
         if keep < 0:
             raise ValueError(f"keep must be >= 0, not {keep}")
-        if signing_key is not None and not isinstance(signing_key, Ed25519PrivateKey):
-            signing_key = load_private_key(signing_key)
+        signing_key = _private_key(signing_key)
 
         files_dir = Path(files_dir).absolute()
         staging = files_dir.parent
@@ -1368,32 +1630,88 @@ class Writer:
             raise
 
         gen_dir = self.key_dir / manifest.generation
+        try:
+            self._point_current(manifest.generation)
+        except BaseException:
+            if created_new and self._current_or_none() != manifest.generation:
+                # CURRENT still names the old one: take back the new one
+                with suppress(StorageError):
+                    _trash(self.key_dir, gen_dir)
+            raise
+        self._collect(keep, gen_dir)
+        return manifest
+
+    def make_current_again(
+        self,
+        stamp_digest: str,
+        signing_key: PrivateKeyLike | None = None,
+        keep: int = 2,
+        workers: int | None = None,
+    ) -> Manifest | None:
+        """Point CURRENT back at a kept generation built with this stamp, without building.
+
+        A reverted spec or engine image finds its generation still in the store: of those
+        with this stamp digest, the most recently current one that verifies for this key is
+        made current (re-signed with signing_key when given, as a re-publish would), then old
+        generations are collected. None when no kept generation has the stamp. The swap is
+        the same as a publish's: a crash leaves CURRENT naming the old or the kept one.
+        """
+        self._check_open()
+        signing_key = _private_key(signing_key)
+        candidates = [
+            (path, manifest)
+            for path, manifest in self.store.rollback_order(self.key)
+            if manifest is not None and manifest.stamp.get("digest") == stamp_digest
+        ]
+        for path, _ in candidates:
+            result = verify(path, key=self.key, workers=workers)
+            if not result.ok or result.manifest is None:
+                log.warning("not making %s current again: %s", path, result.problems[0].message)
+                continue
+            if signing_key is not None:
+                self._resign(path, signing_key)
+            self._point_current(path.name)
+            self._collect(keep, path)
+            return result.manifest
+        return None
+
+    def _current_or_none(self) -> str | None:
+        with suppress(KernelCacheError):
+            return self.store._read_current(self.key_dir)
+        return None
+
+    def _point_current(self, generation: str) -> None:
+        """Make CURRENT name generation, by rename, last: the outgoing generation's moment is
+        recorded in HISTORY.json first (retention orders by it)."""
+        outgoing = self._current_or_none()  # a corrupt CURRENT is replaced, not recorded
+        if outgoing is not None and outgoing != generation:
+            _record_replaced(self.key_dir, outgoing)
         tmp = self.key_dir / f".CURRENT.{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            write_file_synced(tmp, f"{manifest.generation}\n".encode())
+            write_file_synced(tmp, f"{generation}\n".encode())
             with io_errors(self.key_dir / CURRENT_NAME):
                 os.replace(tmp, self.key_dir / CURRENT_NAME)
         except BaseException:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            if created_new:  # CURRENT still names the old one: take back the new one
-                with suppress(StorageError):
-                    _trash(self.key_dir, gen_dir)
             raise
         # If this fsync fails, CURRENT already names the new, complete generation.
         fsync_dir(self.key_dir)
 
+    def _collect(self, keep: int, gen_dir: Path) -> None:
         try:
             self.store._gc_locked(self.key, keep)
         except StorageError as exc:
-            log.warning("published %s but could not collect old generations: %s", gen_dir, exc)
-        return manifest
+            log.warning("made %s current but could not collect old generations: %s", gen_dir, exc)
 
     def _fill(self, files_root: Path, files_dir: Path, workers: int | None) -> list[FileEntry]:
         """Digest (and fsync) the staging files, copying them in from files_dir if needed."""
         if files_dir == files_root:
             files, dirs = _regular_files(files_root)
-            entries = _digest_files(files_root, files, workers, fsync=True)
+            for rel in dirs:  # listable by every reader, whatever the warmer's umask
+                with io_errors(files_root / rel):
+                    (files_root / rel).chmod(0o755)
+            entries = _digest_files(files_root, files, workers, seal=True)
         else:
             files, _ = _regular_files(files_dir)
             dirs = _make_dirs(files_root, (rel for rel, _ in files))
@@ -1423,13 +1741,8 @@ class Writer:
         """
         gen_dir = self.key_dir / manifest.generation
         if os.path.lexists(gen_dir):
-            existing = verify(gen_dir, workers=workers)
-            if (
-                existing.ok
-                and existing.manifest is not None
-                and existing.manifest.key == self.key
-                and not gen_dir.is_symlink()
-            ):
+            existing = verify(gen_dir, key=self.key, workers=workers)
+            if existing.ok and existing.manifest is not None:
                 self._discard(staging)
                 if signing_key is not None:
                     self._resign(gen_dir, signing_key)

@@ -5,6 +5,9 @@ Real faults need a real process: one that is SIGKILLed mid-publish, that holds a
 it dies, that races others for the same key, or that runs under a file-size limit.
 
     store_worker.py serve ROOT KEY TRACE_FILE    fork publishers on request (protocol below)
+    store_worker.py serve ROOT KEY TRACE_FILE repoint
+                                                 the same, each child making the kept
+                                                 generation of stamp SEED current once
     store_worker.py once  ROOT KEY SEED GO_FILE  publish once, as soon as GO_FILE exists
     store_worker.py hold  ROOT KEY               take the writer lock, stage a file, sleep
     store_worker.py fsize ROOT KEY SRC LIMIT     publish SRC under RLIMIT_FSIZE=LIMIT bytes
@@ -146,6 +149,34 @@ def instrument(trace: Trace) -> None:
         _trace_calls(trace, os, name)
 
 
+# The phases of making a kept generation current again: "lock" (and finding it), "verify"
+# (it is checked before it is used), "history" (recording when the outgoing one stopped
+# being current), "current" (the CURRENT swap), "gc", "release".
+REPOINT_PHASES = ("lock", "verify", "history", "current", "gc", "release")
+
+
+def _repoint_write_phase(path: Path, *_: Any) -> str | None:
+    if path.name.startswith(".HISTORY."):
+        return "history"
+    return "current" if path.name.startswith(".CURRENT.") else None
+
+
+def instrument_repoint(trace: Trace) -> None:
+    _trace_calls(trace, store_module, "verify", "verify")
+    _trace_calls(trace, store_module, "write_file_synced", _repoint_write_phase)
+    _trace_calls(trace, Store, "_gc_locked", "gc")
+    for name in TRACED_OS_CALLS:
+        _trace_calls(trace, os, name)
+
+
+def repoint_once(root: str, key: str, seed: str, trace: Trace) -> None:
+    """Make the kept generation of stamp_for(seed) current, keeping one besides it."""
+    with Store(root).writer(key) as writer:
+        if writer.make_current_again(str(stamp_for(seed)["digest"]), keep=1) is None:
+            raise SystemExit(f"no kept generation of stamp {seed}")
+        trace.step("release")
+
+
 def publish_forever(root: str, key: str, seed: str, trace: Trace) -> None:
     store = Store(root)
     i = 0
@@ -160,20 +191,26 @@ def publish_forever(root: str, key: str, seed: str, trace: Trace) -> None:
         i += 1
 
 
-def serve(root: str, key: str, trace_path: str) -> None:
+def serve(root: str, key: str, trace_path: str, mode: str = "publish") -> None:
     ready()
     for line in sys.stdin:
         seed, kill_at = line.split()
         trace = Trace(trace_path, int(kill_at))  # a child killed before its first step: "lock"
         pid = os.fork()
         if pid == 0:
+            code = 1
             try:
-                instrument(trace)
-                publish_forever(root, key, seed, trace)
+                if mode == "repoint":
+                    instrument_repoint(trace)
+                    repoint_once(root, key, seed, trace)
+                    code = 0
+                else:
+                    instrument(trace)
+                    publish_forever(root, key, seed, trace)
             except BaseException:
                 traceback.print_exc()
             finally:
-                os._exit(1)
+                os._exit(code)
         trace.close()
         print(pid, flush=True)
         if not sys.stdin.readline():  # "reap"; or the test is gone: take the child along
