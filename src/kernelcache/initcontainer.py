@@ -17,8 +17,9 @@
 4. **The stamp against the pod**: the node's arch, the engine image and any factor the pod
    declares, this environment (``--check-env``, when the init-container runs in the serving
    image), and the GPU product for autotune results (``--policy``, see ``tune_scoped_files``).
-5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied, and
-   write ``kernelcache.env`` (what the serving container reads) last, atomically.
+5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied (a
+   vLLM cache also to the absolute root it was built at, ``vllm_root``), and write
+   ``kernelcache.env`` (what the serving container reads) last, atomically.
 
 Fail closed: every failure raises a ``KernelCacheError`` subclass whose one-line message
 names the factor or file, and the target directory then holds nothing that looks valid: the
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache import stamp as stamps
+from kernelcache import vllm_root
 from kernelcache.errors import (
     KernelCacheError,
     MissingGenerationError,
@@ -439,6 +441,7 @@ class Outcome:
     materialize_seconds: float = 0.0
     dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    vllm_files: int = 0  # copied to the vLLM cache root the generation was built at
 
     @property
     def summary(self) -> str:
@@ -511,6 +514,7 @@ def run(
     manifest = result.manifest
     assert manifest is not None  # verify reports a problem whenever it has no manifest
     _check_stamp(manifest, key, node, options)
+    vllm_root.check_env_root(manifest, os.environ if env is None else env)
     dropped, warning = _tuning_to_drop(manifest, node, options.policy)
     outcome = Outcome(
         key=key,
@@ -525,6 +529,8 @@ def run(
     if target is not None:
         started = time.monotonic()
         outcome.materialized = _materialize(gen_dir, manifest, target, dropped, options.workers)
+        if (root := vllm_root.recorded_root(manifest)) is not None:
+            outcome.vllm_files = vllm_root.place(outcome.materialized, manifest, root, dropped)
         outcome.materialize_seconds = time.monotonic() - started
         _write_commit_files(target, options.policy, outcome)
     return outcome
@@ -634,6 +640,8 @@ def _write_commit_files(target: Path, policy: str, outcome: Outcome) -> None:
         "verify_seconds": round(outcome.verify_seconds, 3),
         "materialize_seconds": round(outcome.materialize_seconds, 3),
     }
+    if (root := vllm_root.recorded_root(outcome.manifest)) is not None:
+        report.update(vllm_cache_root=str(root), vllm_files=outcome.vllm_files)
     _write_atomic(target / REPORT_FILE, (json.dumps(report, indent=1) + "\n").encode())
     _write_atomic(target / ENV_FILE, ("\n".join(_env_lines(policy, outcome)) + "\n").encode())
 

@@ -14,7 +14,7 @@ import sys
 import typing
 from itertools import zip_longest
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -198,7 +198,7 @@ class GpuClass(BaseModel):
     resources: Resources = Field(default_factory=Resources)
 
 
-WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "command")
+WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command")
 
 
 class B12xWorkload(BaseModel):
@@ -246,12 +246,103 @@ class B12xWorkload(BaseModel):
         return self.intermediate_size // self.tensor_parallel
 
 
+ABSOLUTE_PATH = r"^/[^\x00]*$"
+_PATTERN_HINTS[ABSOLUTE_PATH] = "an absolute path such as /var/cache/vllm"
+
+
+class VllmWorkload(BaseModel):
+    """The engine a vllm warmer starts, as the serving pod starts it, and the traffic it sees.
+
+    The engine arguments are vLLM's own (``LLM(...)``/``vllm serve`` flags); every one of
+    them that vLLM hashes into its compile cache must be the same in serving, so they are
+    part of the workload factor. ``cacheRoot`` is where vLLM's cache lives in the compile Job
+    and in the serving pod alike: vLLM writes absolute paths into its artifacts.
+    """
+
+    model_config = _SPEC_CONFIG
+
+    model: str = Field(
+        min_length=1,
+        description="What the engine is given as --model: a directory the image or a volume "
+        "holds (weights, or only config.json with loadFormat dummy), or a hub name.",
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        default="auto", description="dummy: random weights, enough to compile every kernel."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    max_model_len: int = Field(ge=16, description="The engine's --max-model-len.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    skip_tokenizer_init: bool = Field(
+        default=False, description="For a model directory without a tokenizer."
+    )
+    compilation_config: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM's --compilation-config, as JSON."
+    )
+    cache_root: str = Field(
+        default="/var/cache/vllm",
+        pattern=ABSOLUTE_PATH,
+        description="VLLM_CACHE_ROOT in the compile Job and the serving pod: the same path.",
+    )
+    prompt_lengths: list[Annotated[int, Field(ge=1)]] = Field(
+        min_length=1, description="Prompt lengths (tokens) serving will see, smallest to largest."
+    )
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        min_length=1, description="Concurrent requests serving will see."
+    )
+    max_tokens: int = Field(default=16, ge=1, description="Tokens generated per request.")
+    max_passes: int = Field(
+        default=3,
+        ge=2,
+        le=6,
+        description="Fresh engine processes at most; the last must meet no JIT at all.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> VllmWorkload:
+        if (longest := max(self.prompt_lengths)) + self.max_tokens > self.max_model_len:
+            raise _rule_error(
+                "promptLengths",
+                f"{longest} + maxTokens {self.max_tokens} is more than maxModelLen "
+                f"({self.max_model_len})",
+            )
+        if self.max_num_seqs is not None and max(self.batch_sizes) > self.max_num_seqs:
+            raise _rule_error(
+                "batchSizes",
+                f"{max(self.batch_sizes)} is more than maxNumSeqs ({self.max_num_seqs})",
+            )
+        if self.cache_root.rstrip("/") == "":
+            raise _rule_error("cacheRoot", "must not be the filesystem root")
+        return self
+
+    def engine_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` (vLLM's ``EngineArgs``), unset ones left out."""
+        args = {
+            "model": self.model,
+            "load_format": self.load_format,
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
+            "compilation_config": self.compilation_config or None,
+        }
+        return {name: value for name, value in args.items() if value is not None}
+
+
+_Workload = TypeVar("_Workload", B12xWorkload, VllmWorkload)
+
+
 class Warmer(BaseModel):
     """One way of compiling kernels: Python entry points of a toolchain, or a command."""
 
     model_config = _SPEC_CONFIG
 
-    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "command"]
+    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command"]
     entry_points: list[EntryPoint] = Field(
         default_factory=list,
         description="All but command: functions called with the workload that compile kernels.",
@@ -272,11 +363,14 @@ class Warmer(BaseModel):
 
     @model_validator(mode="after")
     def _check_type_fields(self) -> Warmer:
-        if self.type == "b12x":  # drives FlashInfer's own MoE wrapper: no code of the user's
+        if self.type in ("b12x", "vllm"):  # drive FlashInfer's MoE wrapper, or vLLM itself
             for name, value in (("entryPoints", self.entry_points), ("command", self.command)):
                 if value:
-                    raise _rule_error(name, "not allowed for a b12x warmer")
-            self.b12x_workload()
+                    raise _rule_error(name, f"not allowed for a {self.type} warmer")
+            if self.type == "b12x":
+                self.b12x_workload()
+            else:
+                self.vllm_workload()
         elif self.type != "command":
             if not self.entry_points:
                 raise _rule_error("entryPoints", f"required for a {self.type} warmer")
@@ -291,8 +385,15 @@ class Warmer(BaseModel):
 
     def b12x_workload(self) -> B12xWorkload:
         """The workload of a b12x warmer, checked; errors name ``workload.<field>``."""
+        return self._workload_as(B12xWorkload)
+
+    def vllm_workload(self) -> VllmWorkload:
+        """The workload of a vllm warmer, checked; errors name ``workload.<field>``."""
+        return self._workload_as(VllmWorkload)
+
+    def _workload_as(self, model: type[_Workload]) -> _Workload:
         try:
-            return B12xWorkload.model_validate(self.workload)
+            return model.model_validate(self.workload)
         except ValidationError as exc:
             error = exc.errors()[0]
             loc = [str(part) for part in error["loc"]]

@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -257,13 +257,15 @@ def collect(
     extra: Mapping[str, str] | None = None,
     measured: Iterable[str] = (),
     sm_counts: Iterable[int] = (),
+    paths: Mapping[str, str] | None = None,
 ) -> Stamp:
     """The stamp of this environment for a build or a check.
 
     ``gpu_product`` is detected only when the visible GPUs are of the target arch: a build for
     another arch says nothing about the product it will be tuned on. ``distributions=None``
     means the defaults. ``measured`` names factors of ``MEASURED_FACTORS`` a warmer depends on;
-    ``sm_counts`` are the SM counts kernels were sized for (``gpu/sm_count``).
+    ``sm_counts`` are the SM counts kernels were sized for (``gpu/sm_count``). ``paths``
+    are the paths an engine bakes into its artifacts (``PATH_FACTORS``), as the warm used them.
     """
     target = detect_arch(arch)
     if gpu_product is None:
@@ -285,6 +287,10 @@ def collect(
         factors[name] = MEASURED_FACTORS[name]()
     if counts := sorted(set(sm_counts)):
         factors[SM_COUNT_FACTOR] = ",".join(map(str, counts))
+    for name, value in (paths or {}).items():
+        if name not in PATH_FACTORS:
+            raise SpecError(f"{name}: not a path factor (known: {', '.join(PATH_FACTORS)})")
+        factors[name] = value
     return Stamp(factors)
 
 
@@ -313,7 +319,10 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
         measured=[n for n in factors if n in MEASURED_FACTORS],
     )
     measured = {n: v for n, v in here.factors.items() if n not in TUNE_SCOPED}
-    declared = {n: v for n, v in factors.items() if n == "workload" or n in TUNE_SCOPED}
+    carried = {n for n, measure in PATH_FACTORS.items() if measure is None}
+    declared = {
+        n: v for n, v in factors.items() if n == "workload" or n in TUNE_SCOPED or n in carried
+    }
     if SM_COUNT_FACTOR in factors:
         declared[SM_COUNT_FACTOR] = _sm_count_here(factors[SM_COUNT_FACTOR])
     return Stamp({**measured, **declared})
@@ -508,11 +517,40 @@ def flashinfer_install() -> str:
     return str(Path(spec.origin).parent.parent)  # as Python found it: FlashInfer hashes __file__
 
 
+def vllm_install() -> str:
+    """Where vLLM is installed: its compile cache names files of the install by absolute path."""
+    spec = _find_spec_without_import("vllm")
+    if spec is None or not spec.origin:
+        return "absent"
+    return str(Path(spec.origin).parent.parent)
+
+
+def vllm_cache_root() -> str:
+    """Where vLLM reads and writes its cache here, as ``vllm.envs.VLLM_CACHE_ROOT`` decides."""
+    default_root = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.expanduser(
+        os.environ.get("VLLM_CACHE_ROOT") or os.path.join(default_root, "vllm")
+    )
+
+
 # Factors a warmer can depend on beyond the distributions; measured again wherever a stamp
 # is checked.
 MEASURED_FACTORS = {
     "flashinfer/cute-dsl-fingerprint": flashinfer_cute_dsl_fingerprint,
     "flashinfer/install": flashinfer_install,
+    "vllm/install": vllm_install,
+    "vllm/cache_root": vllm_cache_root,
+}
+
+# Absolute paths an engine bakes into its artifacts, so a copy elsewhere crashes it (vLLM's
+# compile cache names its artifacts, its install and its model by absolute path). The one
+# exception to "no path is a factor": here the path IS what decides validity. A warmer
+# declares the value it used; where the stamp is checked it is measured again (the function)
+# or, when this environment cannot know it (the model path the engine will be given), carried
+# over and checked by whoever knows it (``verify --expect-factor``, the serving runtime).
+PATH_FACTORS: dict[str, Callable[[], str] | None] = {
+    "vllm/cache_root": vllm_cache_root,
+    "vllm/model": None,
 }
 
 

@@ -19,7 +19,10 @@ the environment and then:
    kept from re-tuning (``observe_torch``), and a tail of FlashInfer's build log; a poll of
    Triton's cache directory counts the compiles of other processes that share it (inductor's
    compile workers), which Triton's listener in this process cannot see;
-5. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
+5. for vLLM (``runtime.vllm``): runs the forward sizes the warm recorded before vLLM's JIT
+   monitor arms, arms it in ``error`` mode under strict, counts its events, and checks the
+   engine's model and the cache root (``vllm_root``) against the generation's stamp;
+6. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
 
 The environment contract (read once, by ``RuntimeConfig.from_env``):
 
@@ -64,7 +67,7 @@ from kernelcache.errors import (
     SpecError,
     StorageError,
 )
-from kernelcache.runtime import hooks, metrics
+from kernelcache.runtime import hooks, metrics, vllm
 from kernelcache.runtime.metrics import serve_metrics
 
 if TYPE_CHECKING:
@@ -282,7 +285,25 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         # Still used: each toolchain keys its own artifacts, so whatever does not fit this
         # environment misses (and is counted) rather than being loaded.
         log.warning("kernelcache: %s", error.message)
+    _check_vllm_root(manifest, config.strict)
     return directory / FILES_DIR
+
+
+def _check_vllm_root(manifest: Manifest, strict: bool) -> None:
+    """vLLM reads its cache at the root it was built at: the init-container put it there."""
+    from kernelcache import vllm_root
+
+    root = vllm_root.recorded_root(manifest)
+    if root is None or not (lost := vllm_root.missing(manifest, root)):
+        return
+    error = StorageError(
+        f"{root}: the vLLM cache root lacks {len(lost)} of the generation's files, e.g. "
+        f"{lost[0]} (kernelcache verify --materialize puts them there)",
+        path=str(root),
+    )
+    if strict:
+        raise error
+    log.warning("kernelcache: %s; vLLM will compile what is missing", error.message)
 
 
 def _read_manifest(directory: Path) -> Manifest:
@@ -333,8 +354,13 @@ def _point_caches(runtime: Runtime, files: Path) -> None:
             "install first, or set KERNELCACHE_RUNTIME=1"
         )
 
+    from kernelcache import vllm_root
+
+    # A vLLM cache is read at the absolute root it was built at, never from files/vllm.
+    bound = runtime.manifest is not None and vllm_root.recorded_root(runtime.manifest) is not None
     for name, subdir in CACHE_ENV.items():
-        _set_default(runtime, name, str(files / subdir))
+        if not (bound and name == vllm_root.ENV):
+            _set_default(runtime, name, str(files / subdir))
     for name, value in SERVING_SETTINGS.items():
         _set_default(runtime, name, value)
     aot = files / FLASHINFER_AOT_SUBDIR
@@ -351,6 +377,12 @@ def _observe(runtime: Runtime, files: Path | None) -> None:
     hooks.watch_cute()
     hooks.watch_triton(config.strict, config.poll_seconds)
     observe_torch(files, config.strict)
+    factors = runtime.manifest.stamp.get("factors", {}) if runtime.manifest else {}
+    vllm.watch(
+        vllm.read_sizes(files) if files is not None else [],
+        config.strict,
+        factors.get(vllm.MODEL_FACTOR),
+    )
     if config.strict:
         hooks.refuse_flashinfer_cute_dsl_builds()
     build_log = config.flashinfer_build_log

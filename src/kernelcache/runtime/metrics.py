@@ -15,6 +15,8 @@ Series (``toolchain`` is one of ``TOOLCHAINS``):
 - ``kernelcache_stamp_mismatch``: 1 when the generation was stamped for another environment.
 - ``kernelcache_dropped_artifacts_total{toolchain,reason}``: artifacts of the generation that
   could not be used (a Mega-Cache this torch refuses, say).
+- ``kernelcache_vllm_jit_events_total{backend,kernel}``: what vLLM's own JIT monitor saw after
+  its warm-up: a kernel first loaded into the process while serving, compiled or not.
 
 The per-toolchain hit and histogram series exist at zero from the start, so the first event
 already shows up in ``rate()`` and ``increase()``. A per-kernel series is born with its first
@@ -74,6 +76,13 @@ DROPPED_ARTIFACTS = Counter(
     registry=REGISTRY,
 )
 
+VLLM_JIT_EVENTS = Counter(
+    "kernelcache_vllm_jit_events",
+    "Kernels vLLM's JIT monitor saw loaded or compiled after its warm-up (a latency spike).",
+    ["backend", "kernel"],
+    registry=REGISTRY,
+)
+
 for _toolchain in TOOLCHAINS:
     CACHE_HITS.labels(_toolchain)
     COMPILE_SECONDS.labels(_toolchain)
@@ -124,6 +133,21 @@ def cold_compiles() -> dict[tuple[str, str], float]:
         if family.name == "kernelcache_cold_compiles"
         for sample in family.samples
         if sample.name.endswith("_total")
+    }
+
+
+def record_vllm_jit_event(backend: str, kernel: str) -> None:
+    VLLM_JIT_EVENTS.labels(backend, kernel[:_MAX_KERNEL_LABEL]).inc()
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds of the compiles that ran in this process, by toolchain."""
+    return {
+        sample.labels["toolchain"]: sample.value
+        for family in REGISTRY.collect()
+        if family.name == "kernelcache_compile_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_sum")
     }
 
 

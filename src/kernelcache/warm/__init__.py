@@ -102,6 +102,10 @@ class Warmer(ABC):
         """Names of ``stamp.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
         return []
 
+    def path_factors(self) -> dict[str, str]:
+        """Paths the toolchain bakes into its artifacts (``stamp.PATH_FACTORS``), as used."""
+        return {}
+
     def sm_counts(self, arch: str) -> list[int]:
         """SM counts the artifacts are sized for (stamp factor ``gpu/sm_count``); none: any."""
         return []
@@ -228,6 +232,7 @@ WARMERS = {
     "torch-compile": "kernelcache.warm.torch_compile:TorchCompileWarmer",
     "flashinfer": "kernelcache.warm.flashinfer:FlashInferWarmer",
     "b12x": "kernelcache.warm.b12x:B12xWarmer",
+    "vllm": "kernelcache.warm.vllm:VllmWarmer",
     "command": "kernelcache.warm.command:CommandWarmer",
 }
 
