@@ -383,6 +383,7 @@ def test_crd_keeps_constraints():
         "torch-compile",
         "flashinfer",
         "b12x",
+        "vllm",
         "command",
     ]
     assert gpu_class["compileOn"]["enum"] == ["target", "any-gpu", "cpu"]

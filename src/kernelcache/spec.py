@@ -8,6 +8,7 @@ the API server and the tools cannot disagree about what a valid KernelCache is.
 from __future__ import annotations
 
 import argparse
+import builtins
 import difflib
 import re
 import sys
@@ -391,12 +392,12 @@ class Warmer(BaseModel):
         """The workload of a vllm warmer, checked; errors name ``workload.<field>``."""
         return self._workload_as(VllmWorkload)
 
-    def _workload_as(self, model: type[_Workload]) -> _Workload:
+    def _workload_as(self, model: builtins.type[_Workload]) -> _Workload:
         try:
             return model.model_validate(self.workload)
         except ValidationError as exc:
             error = exc.errors()[0]
-            loc = [str(part) for part in error["loc"]]
+            loc: list[str] = [str(part) for part in error["loc"]]
             if error["type"] == "spec_rule":
                 loc.append(error["ctx"]["field"])
             raise _rule_error(".".join(["workload", *loc]), error["msg"]) from None
@@ -496,11 +497,24 @@ class KernelCacheSpec(BaseModel):
             if (first := warmers.setdefault(key, i)) != i:
                 field = "entryPoints" if w.type == "cute-dsl" else "command"
                 raise _rule_error(f"warmers[{i}].{field}", f"duplicate of warmers[{first}]")
+        roots: dict[str, int] = {}
+        for i, w in enumerate(self.warmers):
+            if w.type == "vllm" and roots.setdefault(w.vllm_workload().cache_root, i) != i:
+                continue
+            if w.type == "vllm" and len(roots) > 1:  # one engine, one VLLM_CACHE_ROOT per pod
+                raise _rule_error(
+                    f"warmers[{i}].workload.cacheRoot",
+                    f"differs from warmers[{min(roots.values())}]'s; a pod has one VLLM_CACHE_ROOT",
+                )
         return self
 
     def arches(self) -> list[str]:
         """The distinct arches to build, sorted; one warm Job and generation per arch."""
         return sorted({c.arch for c in self.gpu_classes})
+
+    def vllm_cache_roots(self) -> list[str]:
+        """The vllm warmers' cache roots: writable in the compile Job and the serving pod."""
+        return sorted({w.vllm_workload().cache_root for w in self.warmers if w.type == "vllm"})
 
 
 class ArchStatus(BaseModel):

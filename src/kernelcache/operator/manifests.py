@@ -250,6 +250,9 @@ def compile_job(
         {"name": "spec", "configMap": {"name": configmap_name(kc, digest)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    for i, root in enumerate(kc.spec.vllm_cache_roots()):  # vLLM writes its cache there
+        mounts.append({"name": f"vllm-root-{i}", "mountPath": root})
+        volumes.append({"name": f"vllm-root-{i}", "emptyDir": {}})
     signing = kc.spec.verification.signing
     if signing.enabled and signing.secret_name:
         command += ["--signing-key", f"{SIGNING_DIR}/{SIGNING_KEY_FILE}"]

@@ -20,7 +20,11 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
   directory and its identity), ``KERNELCACHE_STRICT=1`` under the strict policy, and
   ``FLASHINFER_DISABLE_JIT=1`` under the strict policy when the KernelCache is annotated
   ``kernelcache.dev/flashinfer-aot: "true"``. A variable the container already sets is left
-  as the pod's author wrote it.
+  as the pod's author wrote it;
+- for a KernelCache with a vllm warmer: an emptyDir ``kernelcache-vllm-0`` mounted writable
+  at the warmer's ``cacheRoot`` in the init-container (verify copies vLLM's cache back there)
+  and in every serving container, with ``VLLM_CACHE_ROOT`` set to it (vLLM's cache holds
+  absolute paths, and a warm start writes into it).
 
 The FlashInfer AOT signal is an annotation, not a status field, because the CRD's status
 schema prunes unknown fields. Whoever publishes sets it only when the current generation of
@@ -71,6 +75,7 @@ CACHE_VOLUME = "kernelcache"
 STORE_VOLUME = "kernelcache-store"
 KEY_VOLUME = "kernelcache-key"
 CACHE_DIR = "/kernelcache"
+VLLM_VOLUME = "kernelcache-vllm"
 PUBLIC_KEY_FILE = "kernelcache.pub"  # what `kernelcache keygen` writes beside kernelcache.key
 
 Patch = list[dict[str, Any]]
@@ -206,6 +211,7 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
     if kc.spec.verification.signing.enabled:
         args += ["--public-key", f"{SIGNING_DIR}/{PUBLIC_KEY_FILE}", "--require-signature"]
         mounts.append({"name": KEY_VOLUME, "mountPath": SIGNING_DIR, "readOnly": True})
+    mounts += vllm_mounts(kc)  # verify puts vLLM's cache back at the root it was built at
     return {
         "name": INIT_CONTAINER,
         "image": config.init_image,
@@ -240,6 +246,7 @@ def volumes(kc: KernelCache) -> list[dict[str, Any]]:
             "persistentVolumeClaim": {"claimName": claim_name(kc), "readOnly": True},
         },
         {"name": CACHE_VOLUME, "emptyDir": {}},
+        *({"name": m["name"], "emptyDir": {}} for m in vllm_mounts(kc)),
     ]
     signing = kc.spec.verification.signing
     if signing.enabled and signing.secret_name:
@@ -250,10 +257,18 @@ def volumes(kc: KernelCache) -> list[dict[str, Any]]:
     return found
 
 
+def vllm_mounts(kc: KernelCache) -> list[dict[str, Any]]:
+    """vLLM's cache roots, writable (a warm start writes into them), in init and serving."""
+    roots = kc.spec.vllm_cache_roots()
+    return [{"name": f"{VLLM_VOLUME}-{i}", "mountPath": root} for i, root in enumerate(roots)]
+
+
 def serving_env(kc: KernelCache, raw: dict[str, Any]) -> list[dict[str, str]]:
     """The variables every serving container gets (``raw``: the KernelCache as read)."""
     strict = kc.spec.verification.policy == "strict"
     env = {"KERNELCACHE_RUNTIME": "1", "KERNELCACHE_ENV_FILE": f"{CACHE_DIR}/{ENV_FILE}"}
+    if roots := kc.spec.vllm_cache_roots():
+        env["VLLM_CACHE_ROOT"] = roots[0]
     if strict:
         env["KERNELCACHE_STRICT"] = "1"
         if _annotations(raw).get(ANNOTATION_FLASHINFER_AOT) == "true":
@@ -333,7 +348,7 @@ def mutate_pod(
             "env",
             [e for e in env if e["name"] not in have],
         )
-        _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount])
+        _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount, *vllm_mounts(kc)])
     return ops
 
 

@@ -124,7 +124,8 @@ class VllmWarmer(Warmer):
 
 
 def _compiled(result: dict[str, Any]) -> list[tuple[str, str]]:
-    return [tuple(key.split("/", 1)) for key in result["cold_compiles"]]  # type: ignore[misc]
+    """(toolchain, kernel) of each kernel a pass compiled."""
+    return [(key.partition("/")[0], key.partition("/")[2]) for key in result["cold_compiles"]]
 
 
 def cache_key_factors(tree: Path) -> dict[str, Any]:
@@ -168,7 +169,7 @@ def run_pass(
     from kernelcache.runtime import SERVING_SETTINGS
 
     with tempfile.TemporaryDirectory(prefix="kernelcache-vllm-") as tmp:
-        job = {
+        job: dict[str, Any] = {
             "engine": workload.engine_args(),
             "sweep": sweep_plan(workload),
             "runtime": "warm",
@@ -219,7 +220,8 @@ class _KeepLines(logging.Handler):
 
     def __init__(self, started: float) -> None:
         super().__init__(level=logging.INFO)
-        self.started, self.lines = started, []  # type: float, list[tuple[float, str]]
+        self.started = started
+        self.lines: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append((round(record.created - self.started, 3), record.getMessage()))
