@@ -235,12 +235,27 @@ def cmd_explain(args: argparse.Namespace) -> int:
         generations["env"] = (stamps.environment_stamp(recorded), stamps.ENVIRONMENT_SIDE)
     (left, left_side), (right, right_side) = generations[args.left], generations[args.right]
     diffs = stamps.explain(left, right)
+    if "env" not in (args.left, args.right):
+        _explain_vllm(args.left, args.right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
         return 0
     for diff in diffs:
         print(diff.describe((left_side, right_side)))
     return int(ExitCode.STAMP_MISMATCH)
+
+
+def _explain_vllm(left: str, right: str) -> None:
+    """vLLM's own cache key factors of two generations, where their warm reports hold them."""
+    from kernelcache import vllm_root
+    from kernelcache.store import Manifest
+
+    reports = []
+    for ref in (left, right):
+        path = Path(ref) / "MANIFEST.json" if Path(ref).is_dir() else Path(ref)
+        reports.append(Manifest.parse(path.read_bytes(), str(path)).report)
+    for line in vllm_root.factor_diffs(*reports):
+        print(f"vllm cache_key_factors: {line}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -513,8 +513,8 @@ def run(
     result.raise_for_problems()
     manifest = result.manifest
     assert manifest is not None  # verify reports a problem whenever it has no manifest
-    _check_stamp(manifest, key, node, options)
     vllm_root.check_env_root(manifest, os.environ if env is None else env)
+    _check_stamp(manifest, key, node, options)
     dropped, warning = _tuning_to_drop(manifest, node, options.policy)
     outcome = Outcome(
         key=key,

@@ -396,11 +396,8 @@ class Warmer(BaseModel):
         try:
             return model.model_validate(self.workload)
         except ValidationError as exc:
-            error = exc.errors()[0]
-            loc: list[str] = [str(part) for part in error["loc"]]
-            if error["type"] == "spec_rule":
-                loc.append(error["ctx"]["field"])
-            raise _rule_error(".".join(["workload", *loc]), error["msg"]) from None
+            path, what = _describe(exc.errors()[0])
+            raise _rule_error(f"workload.{path}" if path else "workload", what) from None
 
 
 class PvcTemplate(BaseModel):
@@ -491,11 +488,13 @@ class KernelCacheSpec(BaseModel):
         for i, gpu_class in enumerate(self.gpu_classes):
             if (first := names.setdefault(gpu_class.name, i)) != i:
                 raise _rule_error(f"gpuClasses[{i}].name", f"duplicate of gpuClasses[{first}].name")
-        warmers: dict[tuple[str, tuple[str, ...], tuple[str, ...]], int] = {}
+        warmers: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], int] = {}
         for i, w in enumerate(self.warmers):
-            key = (w.type, tuple(w.entry_points), tuple(w.command))
+            # A vllm warmer is its engine and traffic: two engines are two warmers.
+            engine = repr(sorted(w.workload.items())) if w.type == "vllm" else ""
+            key = (w.type, tuple(w.entry_points), tuple(w.command), engine)
             if (first := warmers.setdefault(key, i)) != i:
-                field = "entryPoints" if w.type == "cute-dsl" else "command"
+                field = {"cute-dsl": "entryPoints", "vllm": "workload"}.get(w.type, "command")
                 raise _rule_error(f"warmers[{i}].{field}", f"duplicate of warmers[{first}]")
         roots: dict[str, int] = {}
         for i, w in enumerate(self.warmers):

@@ -17,6 +17,7 @@ import os
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from kernelcache.errors import StampMismatchError, StorageError
 from kernelcache.store import FILES_DIR, Manifest, io_errors
@@ -102,3 +103,25 @@ def missing(manifest: Manifest, root: Path) -> list[str]:
         except OSError:
             lost.append(entry.path)
     return lost
+
+
+def factor_diffs(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]:
+    """vLLM's own ``cache_key_factors.json`` of two warm reports, compared in vLLM's words."""
+
+    def flat(report: Mapping[str, Any]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for warmer in report.get("warmers") or []:
+            for file, factors in (warmer.get("cache_key_factors") or {}).items():
+                for name, value in factors.items():
+                    if isinstance(value, Mapping):
+                        found.update({(file, f"{name}.{k}"): v for k, v in value.items()})
+                    else:
+                        found[(file, name)] = value
+        return found
+
+    a, b = flat(left), flat(right)
+    return [
+        f"{key[1]}: {a.get(key, '(absent)')} != {b.get(key, '(absent)')} ({key[0]})"
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key)
+    ]

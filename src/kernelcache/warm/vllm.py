@@ -235,10 +235,10 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
     from kernelcache.runtime import hooks, metrics, observe_torch
     from kernelcache.runtime import vllm as serving
 
-    if job["runtime"] == "serving":
-        from kernelcache.runtime import install
+    if job["runtime"] == "serving":  # as the serving image's .pth hook does
+        from kernelcache.runtime import autoinstall
 
-        install()
+        autoinstall()
     elif job["runtime"] == "warm":
         hooks.watch_triton(strict=False)
         observe_torch(None, strict=False)

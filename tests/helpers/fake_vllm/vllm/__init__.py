@@ -46,14 +46,16 @@ class LLM:
         self.model = model
         self.chunk = max_num_batched_tokens
         root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT", "~/.cache/vllm")))
-        self.worker = Worker(model, root)
+        self.worker = Worker(model, root, str(kwargs.get("dtype", "auto")))
         self.worker.load_model()
         compiled = self.worker.load_or_compile()
         log.info("torch.compile took %.2f s in total", 0.01 if compiled else 0.5)
         self.worker.jit_monitor_mode = str(kwargs.get("jit_monitor_mode", "warn"))
         self.worker.compile_or_warm_up_model()
 
-    def generate(self, prompts: list[dict[str, list[int]]], params: SamplingParams, use_tqdm: bool = False) -> list[_Output]:
+    def generate(
+        self, prompts: list[dict[str, list[int]]], params: SamplingParams, use_tqdm: bool = False
+    ) -> list[_Output]:
         tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         while tokens > 0:
             self.worker.model_runner.execute_model(_Scheduled(min(tokens, self.chunk)))
@@ -61,7 +63,13 @@ class LLM:
         for _ in range(params.max_tokens):
             self.worker.model_runner.execute_model(_Scheduled(len(prompts)))
         return [
-            _Output([_Completion([(sum(p["prompt_token_ids"]) + i) % 32000 for i in range(params.max_tokens)])])
+            _Output(
+                [
+                    _Completion(
+                        [(sum(p["prompt_token_ids"]) + i) % 32000 for i in range(params.max_tokens)]
+                    )
+                ]
+            )
             for p in prompts
         ]
 
@@ -72,12 +80,16 @@ class _Scheduled:
 
 
 def cache_file(root: Path) -> Path:
-    return root / "torch_compile_cache" / "abc123" / "rank_0_0" / "backbone" / "vllm_compile_cache.py"
+    return (
+        root / "torch_compile_cache" / "abc123" / "rank_0_0" / "backbone" / "vllm_compile_cache.py"
+    )
 
 
-def write_cache(root: Path, model: str) -> None:
+def write_cache(root: Path, model: str, dtype: str) -> None:
     path = cache_file(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"artifact": str(path.parent / "artifact_0")}))
     (path.parent / "artifact_0").write_bytes(b"compiled graph")
-    (path.parent / "cache_key_factors.json").write_text(json.dumps({"model": model, "dtype": "bfloat16"}))
+    (path.parent / "cache_key_factors.json").write_text(
+        json.dumps({"model": model, "dtype": dtype})
+    )

@@ -17,7 +17,9 @@ class GPUModelRunner:
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
         self._forward(scheduler_output.total_num_scheduled_tokens)
 
-    def _dummy_run(self, num_tokens: int, skip_eplb: bool = False, remove_lora: bool = True) -> None:
+    def _dummy_run(
+        self, num_tokens: int, skip_eplb: bool = False, remove_lora: bool = True
+    ) -> None:
         self._forward(num_tokens)
 
     def _forward(self, num_tokens: int) -> None:

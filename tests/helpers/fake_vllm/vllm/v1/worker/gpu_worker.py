@@ -20,7 +20,8 @@ class _VllmConfig:
 class Worker:
     CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-    def __init__(self, model: str, root: Path) -> None:
+    def __init__(self, model: str, root: Path, dtype: str) -> None:
+        self.dtype = dtype
         self.vllm_config = _VllmConfig(_ModelConfig(model))
         self.root = root
         self.model_runner = GPUModelRunner()
@@ -34,13 +35,15 @@ class Worker:
 
         path = vllm.cache_file(self.root)
         if not path.exists():
-            vllm.write_cache(self.root, self.vllm_config.model_config.model)
+            vllm.write_cache(self.root, self.vllm_config.model_config.model, self.dtype)
             return False
         artifact = Path(json.loads(path.read_text())["artifact"])
         if not artifact.exists():
             raise FileNotFoundError(f"compiled artifact {artifact} not found")
         (self.root / "torch_compile_cache" / "torch_aot_compile").mkdir(exist_ok=True)
-        (self.root / "torch_compile_cache" / "torch_aot_compile" / "written-on-load").write_text("x")
+        (self.root / "torch_compile_cache" / "torch_aot_compile" / "written-on-load").write_text(
+            "x"
+        )
         return True
 
     def compile_or_warm_up_model(self) -> None:

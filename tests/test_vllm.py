@@ -1,0 +1,332 @@
+"""The vllm warmer and serving path without a GPU: spec, path factors, cache root, runtime.
+
+The engine is ``tests/helpers/fake_vllm``: vLLM's hook points (``Worker.compile_or_warm_up_model``
+arming ``vllm.utils.jit_monitor`` at its end, ``GPUModelRunner.execute_model``/``_dummy_run``)
+and vLLM's two failures as measured on an H200: a compile cache that names its own absolute
+root, and a fused-MoE kernel first loaded at a prefill size warm-up did not run, which
+``jit_monitor_mode="error"`` turns into a crash. The same pipeline on the real engine:
+``tests/test_vllm_gpu.py`` and ``bench/vllm_coldstart.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kernelcache import stamp as stamps
+from kernelcache.errors import SpecError
+from kernelcache.spec import parse_kernelcache
+from tests.conftest import kernelcache_doc, run_kernelcache, subprocess_env
+
+FAKE_VLLM = Path(__file__).resolve().parent / "helpers" / "fake_vllm"
+MODEL = Path(__file__).resolve().parent.parent / "bench" / "qwen3-moe-tiny"
+ARCH = "sm_90a"
+KEY = f"default/vq/{ARCH}"
+
+
+def workload(root: Path | str, **changes: Any) -> dict[str, Any]:
+    return {
+        "model": str(MODEL),
+        "loadFormat": "dummy",
+        "maxModelLen": 2048,
+        "maxNumBatchedTokens": 512,
+        "cacheRoot": str(root),
+        "promptLengths": [5, 300, 1500],
+        "batchSizes": [1, 3],
+        "maxTokens": 4,
+        **changes,
+    }
+
+
+def vllm_doc(root: Path | str, **changes: Any) -> dict[str, Any]:
+    return kernelcache_doc(
+        "vq",
+        warmers=[{"type": "vllm", "workload": workload(root, **changes)}],
+        gpuClasses=[{"name": "h200", "arch": ARCH, "gpuProduct": "NVIDIA H200"}],
+    )
+
+
+def fake_env(**overrides: str) -> dict[str, str]:
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE_VLLM), env["PYTHONPATH"]])
+    return {**env, "KERNELCACHE_ARCH": ARCH, **overrides}
+
+
+# ------------------------------------------------------------------------------ the spec
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"promptLengths": [2046]}, "workload.promptLengths: 2046 + maxTokens 4 is more than"),
+        ({"batchSizes": [8], "maxNumSeqs": 4}, "workload.batchSizes: 8 is more than maxNumSeqs"),
+        ({"cacheRoot": "cache/vllm"}, "workload.cacheRoot: expected an absolute path"),
+        ({"cacheRoot": "/"}, "workload.cacheRoot: must not be the filesystem root"),
+        ({"maxModelLen": None}, "workload.maxModelLen: required field is missing"),
+        ({"tensorParallel": 2}, "workload.tensorParallel: unknown field"),
+        ({"gpuMemoryUtilization": 1.5}, "workload.gpuMemoryUtilization: Input should be less"),
+        ({"loadFormat": "pt"}, "workload.loadFormat: Input should be 'auto', 'safetensors'"),
+    ],
+)
+def test_a_bad_vllm_workload_is_refused_naming_the_field(changes, message):
+    doc = vllm_doc("/var/cache/vllm", **changes)
+    fields = doc["spec"]["warmers"][0]["workload"]
+    for name in [n for n, v in changes.items() if v is None]:
+        del fields[name]
+    with pytest.raises(SpecError) as caught:
+        parse_kernelcache(doc, "kc.yaml")
+    assert caught.value.message.startswith(f"kc.yaml: spec.warmers[0].{message}")
+
+
+def test_a_vllm_warmer_takes_no_entry_points_and_one_cache_root_per_kernelcache():
+    doc = vllm_doc("/var/cache/vllm")
+    doc["spec"]["warmers"][0]["entryPoints"] = ["m:f"]
+    with pytest.raises(SpecError, match=r"warmers\[0\]\.entryPoints: not allowed for a vllm"):
+        parse_kernelcache(doc, "kc.yaml")
+    doc = vllm_doc("/var/cache/vllm")
+    other = {"type": "vllm", "workload": workload("/other", maxModelLen=4096)}
+    doc["spec"]["warmers"].append(other)
+    with pytest.raises(SpecError, match=r"warmers\[1\]\.workload\.cacheRoot: differs from"):
+        parse_kernelcache(doc, "kc.yaml")
+
+
+def test_engine_args_are_vllms_own_and_leave_unset_ones_out():
+    kc = parse_kernelcache(vllm_doc("/r", compilationConfig={"mode": 3}), "kc.yaml")
+    args = kc.spec.warmers[0].vllm_workload().engine_args()
+    assert args["model"] == str(MODEL) and args["max_num_batched_tokens"] == 512
+    assert args["compilation_config"] == {"mode": 3}
+    assert "max_num_seqs" not in args
+
+
+# ------------------------------------------------------------------------------ path factors
+
+
+def test_path_factors_are_measured_again_or_carried_where_the_stamp_is_checked(monkeypatch):
+    paths = {"vllm/cache_root": "/var/cache/vllm", "vllm/model": "/models/q"}
+    built = stamps.collect(arch=ARCH, gpu_product="NVIDIA H200", distributions=(), paths=paths)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/var/cache/vllm")
+    assert stamps.explain(built, stamps.environment_stamp(built)) == []
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/elsewhere")
+    diffs = stamps.explain(built, stamps.environment_stamp(built))
+    assert [d.describe() for d in diffs] == ["vllm/cache_root: /var/cache/vllm != /elsewhere"]
+    with pytest.raises(SpecError, match="vllm/weights: not a path factor"):
+        stamps.collect(arch=ARCH, distributions=(), paths={"vllm/weights": "/w"})
+
+
+# ------------------------------------------------------------------------------ one warm, shared
+
+
+def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, dict, str]:
+    """One engine process, as bench/vllm_coldstart.py runs it: (rc, result, stderr)."""
+    plan = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
+    job = {
+        "engine": {"model": str(MODEL), "max_num_batched_tokens": 512},
+        "sweep": plan,
+        "runtime": "none",
+        "preload": [],
+        "result": str(tmp / f"{name}.json"),
+        **job,
+    }
+    (tmp / f"{name}.job.json").write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache.warm.vllm", str(tmp / f"{name}.job.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else {}
+    return proc.returncode, result, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """A generation built by ``kernelcache build`` with the vllm warmer; the warm's root gone."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    root, store = tmp / "vllm-root", tmp / "store"
+    (tmp / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(root)))
+    env = fake_env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))
+    shutil.rmtree(root)  # another node: only the generation travels
+    return {"tmp": tmp, "root": root, "store": store, "manifest": manifest}
+
+
+def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
+    manifest = json.loads(built["manifest"].read_text())
+    report = manifest["report"]["warmers"][0]
+    first, last = report["passes"][0], report["passes"][-1]
+    assert not first["serving"] and {e["kernel"] for e in first["jit_events"]} == {
+        "fused_moe_kernel[BLOCK_SIZE_M=128,div16=False]",
+        "fused_moe_kernel[BLOCK_SIZE_M=128,div16=True]",
+    }
+    assert last["serving"] and last["jit_events"] == [] and last["cold_compiles"] == {}
+    assert report["preload_sizes"] == sorted({e["tokens"] for e in first["jit_events"]})
+    factors = next(iter(report["cache_key_factors"].values()))
+    assert factors == {"model": str(MODEL), "dtype": "auto"}  # vLLM's own, as written
+    stamp = manifest["stamp"]["factors"]
+    assert stamp["vllm/cache_root"] == str(built["root"])
+    assert stamp["vllm/model"] == str(MODEL)
+    assert stamp["vllm/install"] == str(FAKE_VLLM)
+    paths = {f["path"] for f in manifest["files"]}
+    assert "vllm-warmup/sizes.json" in paths
+    assert any(p.endswith("cache_key_factors.json") for p in paths)
+    assert not any(p.endswith(".kernelcache-vllm-root") for p in paths)
+
+
+def verify(built: dict[str, Path], target: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
+         "--key", KEY, "--check-env", "--materialize", str(target)],
+        env=fake_env(**env), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_verify_refuses_another_cache_root_naming_the_factor(built, tmp_path):
+    proc = verify(built, tmp_path / "pod", VLLM_CACHE_ROOT=str(tmp_path / "moved"))
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"kernelcache: error: stamp mismatch: vllm/cache_root: {built['root']} != "
+        f"{tmp_path / 'moved'} (VLLM_CACHE_ROOT; vLLM's compile cache holds absolute paths: "
+        f"set VLLM_CACHE_ROOT={built['root']} in the pod, as in the compile Job)"
+    ]
+    assert not (tmp_path / "pod" / "kernelcache.env").exists()
+
+
+def test_verify_refuses_a_root_that_holds_someone_elses_files(built, tmp_path):
+    built["root"].mkdir()
+    (built["root"].parent / "vllm-root" / "notes.txt").write_text("mine")
+    try:
+        proc = verify(built, tmp_path / "pod", VLLM_CACHE_ROOT=str(built["root"]))
+        assert proc.returncode == 10, proc.stderr
+        assert "is not empty and not kernelcache's (holds notes.txt" in proc.stderr
+        assert (built["root"] / "notes.txt").read_text() == "mine"
+    finally:
+        shutil.rmtree(built["root"])
+
+
+def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, tmp_path):
+    pod = tmp_path / "pod"
+    proc = verify(built, pod, VLLM_CACHE_ROOT=str(built["root"]))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((pod / "kernelcache-verify.json").read_text())
+    assert report["vllm_cache_root"] == str(built["root"]) and report["vllm_files"] > 0
+    serving = fake_env(
+        VLLM_CACHE_ROOT=str(built["root"]), KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env")
+    )
+    error_mode = {"model": str(MODEL), "max_num_batched_tokens": 512, "jit_monitor_mode": "error"}
+    rc, served, stderr = drive(tmp_path, "served", serving, runtime="serving", engine=error_mode)
+    assert rc == 0 and served["sweep_error"] is None, stderr
+    assert served["jit_events"] == [] and served["monitor_mode"] == "error"
+    assert (
+        served["preload_sizes"]
+        == json.loads(built["manifest"].read_text())["report"]["warmers"][0]["preload_sizes"]
+    )
+    # The same engine on the same restored cache, without kernelcache's runtime: vLLM's
+    # own warm-up leaves the prefill kernels to the first request, and error mode stops it.
+    rc, plain, _ = drive(tmp_path, "plain", serving, engine=error_mode)
+    assert rc == 1 and "fused_moe_kernel[BLOCK_SIZE_M=128" in plain["sweep_error"]
+    # Strict maps onto vLLM's error mode whatever the engine was given.
+    strict = {**serving, "KERNELCACHE_STRICT": "1"}
+    rc, result, stderr = drive(tmp_path, "strict", strict, runtime="serving")
+    assert rc == 0 and result["monitor_mode"] == "error" and result["jit_events"] == [], stderr
+    # Outputs are the cold engine's.
+    cold_env = fake_env(VLLM_CACHE_ROOT=str(tmp_path / "cold-root"))
+    _, cold, _ = drive(tmp_path, "cold", cold_env)
+    assert served["outputs"] == cold["outputs"] and cold["jit_events"]
+
+
+def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
+    pod = tmp_path / "pod"
+    assert verify(built, pod, VLLM_CACHE_ROOT=str(built["root"])).returncode == 0
+    victim = next(p for p in built["root"].rglob("*") if p.name == "vllm_compile_cache.py")
+    victim.unlink()
+    serving = fake_env(
+        VLLM_CACHE_ROOT=str(built["root"]),
+        KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
+        KERNELCACHE_STRICT="1",
+    )
+    started = time.monotonic()
+    rc, result, stderr = drive(tmp_path, "strict", serving, runtime="serving")
+    assert rc == 10 and result == {}, stderr
+    assert stderr.strip().splitlines() == [
+        f"kernelcache: {built['root']}: the vLLM cache root lacks 1 of the generation's files, "
+        f"e.g. vllm/{victim.relative_to(built['root'])} (kernelcache verify --materialize puts "
+        "them there)"
+    ]
+    assert time.monotonic() - started < 60
+
+
+def test_the_engines_model_is_held_to_the_generations(built, tmp_path):
+    pod = tmp_path / "pod"
+    assert verify(built, pod, VLLM_CACHE_ROOT=str(built["root"])).returncode == 0
+    serving = fake_env(
+        VLLM_CACHE_ROOT=str(built["root"]),
+        KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
+        KERNELCACHE_STRICT="1",
+    )
+    other = {"model": "/models/another", "max_num_batched_tokens": 512}
+    rc, _, stderr = drive(tmp_path, "other", serving, runtime="serving", engine=other)
+    assert rc != 0
+    assert f"stamp mismatch: vllm/model: {MODEL} != /models/another" in stderr
+
+
+def test_explain_names_vllms_own_cache_key_factors(built, tmp_path):
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root", dtype="float16")))
+    proc = run_kernelcache(
+        "build", "-f", str(tmp_path / "kc.yaml"), "--store", str(tmp_path / "store"),
+        PYTHONPATH=fake_env()["PYTHONPATH"],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    other = next((tmp_path / "store").glob("default/vq/*/*/MANIFEST.json"))
+    proc = run_kernelcache("explain", str(built["manifest"]), str(other))
+    assert proc.returncode == 4, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("vllm cache_key_factors: dtype: auto != float16 (torch_compile")
+    assert any(line.startswith("workload: ") for line in lines)
+
+
+def test_compile_job_and_serving_pod_mount_the_cache_root_writable():
+    pytest.importorskip("kopf", reason="needs kernelcache[operator]")
+    from kernelcache.operator.config import OperatorConfig
+    from kernelcache.operator.manifests import compile_job
+    from kernelcache.operator.webhook import apply_ops, mutate_pod
+
+    doc = vllm_doc("/var/cache/vllm")
+    kc = parse_kernelcache(doc, "kc")
+    config = OperatorConfig(init_image="kernelcache-init:1")
+    job = compile_job(
+        kc, arch=ARCH, digest="d" * 12, attempt=0, owner={"uid": "u", "name": "vq"}, config=config
+    )
+    pod_spec = job["spec"]["template"]["spec"]
+    [mount] = [m for m in pod_spec["containers"][0]["volumeMounts"] if m["name"] == "vllm-root-0"]
+    assert mount == {"name": "vllm-root-0", "mountPath": "/var/cache/vllm"}
+    assert {"name": "vllm-root-0", "emptyDir": {}} in pod_spec["volumes"]
+    pod = {
+        "metadata": {
+            "name": "p",
+            "namespace": "default",
+            "labels": {"kernelcache.dev/cache": "vq"},
+        },
+        "spec": {"containers": [{"name": "vllm", "image": doc["spec"]["engine"]["image"]}]},
+    }
+    mutated = apply_ops(pod, mutate_pod(pod, doc, config))
+    init, serving = mutated["spec"]["initContainers"][0], mutated["spec"]["containers"][0]
+    wanted = {"name": "kernelcache-vllm-0", "mountPath": "/var/cache/vllm"}
+    assert wanted in init["volumeMounts"] and wanted in serving["volumeMounts"]
+    assert {"name": "VLLM_CACHE_ROOT", "value": "/var/cache/vllm"} in serving["env"]
+    assert {"name": "kernelcache-vllm-0", "emptyDir": {}} in mutated["spec"]["volumes"]
