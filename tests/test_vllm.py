@@ -125,12 +125,14 @@ def test_path_factors_are_measured_again_or_carried_where_the_stamp_is_checked(m
 # ------------------------------------------------------------------------------ one warm, shared
 
 
+PLAN = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
+
+
 def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, dict, str]:
     """One engine process, as bench/vllm_coldstart.py runs it: (rc, result, stderr)."""
-    plan = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
     job = {
         "engine": {"model": str(MODEL), "max_num_batched_tokens": 512},
-        "sweep": plan,
+        "sweep": PLAN,
         "runtime": "none",
         "preload": [],
         "result": str(tmp / f"{name}.json"),
@@ -142,7 +144,7 @@ def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, d
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else {}
     return proc.returncode, result, proc.stderr
@@ -188,16 +190,19 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     assert not any(p.endswith(".kernelcache-vllm-root") for p in paths)
 
 
-def verify(built: dict[str, Path], target: Path, **env: str) -> subprocess.CompletedProcess:
+def verify(
+    built: dict[str, Path], target: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """The init-container's command, in the serving image (here: with this engine)."""
     return subprocess.run(
         [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
          "--key", KEY, "--check-env", "--materialize", str(target)],
-        env=fake_env(**env), capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
 
 def test_verify_refuses_another_cache_root_naming_the_factor(built, tmp_path):
-    proc = verify(built, tmp_path / "pod", VLLM_CACHE_ROOT=str(tmp_path / "moved"))
+    proc = verify(built, tmp_path / "pod", fake_env(VLLM_CACHE_ROOT=str(tmp_path / "moved")))
     assert proc.returncode == 4, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"kernelcache: error: stamp mismatch: vllm/cache_root: {built['root']} != "
@@ -211,7 +216,7 @@ def test_verify_refuses_a_root_that_holds_someone_elses_files(built, tmp_path):
     built["root"].mkdir()
     (built["root"].parent / "vllm-root" / "notes.txt").write_text("mine")
     try:
-        proc = verify(built, tmp_path / "pod", VLLM_CACHE_ROOT=str(built["root"]))
+        proc = verify(built, tmp_path / "pod", fake_env(VLLM_CACHE_ROOT=str(built["root"])))
         assert proc.returncode == 10, proc.stderr
         assert "is not empty and not kernelcache's (holds notes.txt" in proc.stderr
         assert (built["root"] / "notes.txt").read_text() == "mine"
@@ -221,7 +226,7 @@ def test_verify_refuses_a_root_that_holds_someone_elses_files(built, tmp_path):
 
 def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, tmp_path):
     pod = tmp_path / "pod"
-    proc = verify(built, pod, VLLM_CACHE_ROOT=str(built["root"]))
+    proc = verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"])))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((pod / "kernelcache-verify.json").read_text())
     assert report["vllm_cache_root"] == str(built["root"]) and report["vllm_files"] > 0
@@ -252,7 +257,7 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
 
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
     pod = tmp_path / "pod"
-    assert verify(built, pod, VLLM_CACHE_ROOT=str(built["root"])).returncode == 0
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
     victim = next(p for p in built["root"].rglob("*") if p.name == "vllm_compile_cache.py")
     victim.unlink()
     serving = fake_env(
@@ -273,7 +278,7 @@ def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built
 
 def test_the_engines_model_is_held_to_the_generations(built, tmp_path):
     pod = tmp_path / "pod"
-    assert verify(built, pod, VLLM_CACHE_ROOT=str(built["root"])).returncode == 0
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
     serving = fake_env(
         VLLM_CACHE_ROOT=str(built["root"]),
         KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
