@@ -108,8 +108,8 @@ def missing(manifest: Manifest, root: Path) -> list[str]:
 def factor_diffs(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]:
     """vLLM's own ``cache_key_factors.json`` of two warm reports, compared in vLLM's words."""
 
-    def flat(report: Mapping[str, Any]) -> dict[str, Any]:
-        found: dict[str, Any] = {}
+    def flat(report: Mapping[str, Any]) -> dict[tuple[str, str], Any]:
+        found: dict[tuple[str, str], Any] = {}
         for warmer in report.get("warmers") or []:
             for file, factors in (warmer.get("cache_key_factors") or {}).items():
                 for name, value in factors.items():
