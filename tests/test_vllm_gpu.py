@@ -29,6 +29,8 @@ pytestmark = [
     ),
 ]
 
+# bench/vllm_coldstart.py's traffic: on an H200 its prefills reach a fused-MoE kernel
+# specialization vLLM's own warm-up does not load (a smaller sweep may not).
 WORKLOAD = {
     "model": str(MODEL),
     "loadFormat": "dummy",
@@ -37,11 +39,11 @@ WORKLOAD = {
     "maxNumBatchedTokens": 2048,
     "gpuMemoryUtilization": 0.5,
     "skipTokenizerInit": True,
-    "promptLengths": [7, 1000],
-    "batchSizes": [1, 8],
-    "maxTokens": 4,
+    "promptLengths": [7, 100, 1000, 2000],
+    "batchSizes": [1, 3, 16, 64],
+    "maxTokens": 8,
 }
-SWEEP = {"prompt_lengths": [7, 1000], "batch_sizes": [1, 8], "max_tokens": 4}
+SWEEP = {"prompt_lengths": [7, 100, 1000, 2000], "batch_sizes": [1, 3, 16, 64], "max_tokens": 8}
 
 
 def engine_env(**overrides: str) -> dict[str, str]:
@@ -86,7 +88,7 @@ def test_the_warm_covers_the_prefill_kernels_vllms_warm_up_leaves_out(built):
     manifest = json.loads(built["manifest"].read_text())
     report = manifest["report"]["warmers"][0]
     first, last = report["passes"][0], report["passes"][-1]
-    assert "fused_moe_kernel" in {e["kernel"] for e in first["jit_events"]}
+    assert "fused_moe_kernel" in {e["kernel"] for e in first["jit_events"]}, report["passes"]
     assert report["compiled_by_toolchain"]["triton"]["compiled"] > 0
     assert last["serving"] and last["jit_events"] == [] and last["cold_compiles"] == {}
     assert report["preload_sizes"]
