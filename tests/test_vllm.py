@@ -99,6 +99,15 @@ def test_a_vllm_warmer_takes_no_entry_points_and_one_cache_root_per_kernelcache(
         parse_kernelcache(doc, "kc.yaml")
 
 
+def test_the_example_is_a_valid_vllm_kernelcache():
+    from kernelcache.spec import load_kernelcache
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "vllm-qwen3-moe.yaml"
+    kc = load_kernelcache(example)
+    assert kc.spec.vllm_cache_roots() == ["/var/cache/vllm"]
+    assert kc.spec.warmers[0].vllm_workload().engine_args()["compilation_config"] == {"mode": 3}
+
+
 def test_engine_args_are_vllms_own_and_leave_unset_ones_out():
     kc = parse_kernelcache(vllm_doc("/r", compilationConfig={"mode": 3}), "kc.yaml")
     args = kc.spec.warmers[0].vllm_workload().engine_args()
