@@ -209,3 +209,80 @@ def test_a_corrupted_artifact_stops_the_next_pod_with_one_line(kc: harness.Clust
     (line,) = terminated["message"].strip().splitlines()
     assert line.startswith("kernelcache: error:") and artifact.name in line, line
     assert "waiting" in pod["status"]["containerStatuses"][0]["state"]
+
+
+# --------------------------------------------------------------------------- the start-up hook
+
+
+def test_the_built_wheel_installs_the_start_up_hook(images: dict[str, Image]) -> None:
+    """The examples image installed kernelcache from its wheel, not editable: the hook lands in
+    its site-packages and KERNELCACHE_RUNTIME=1 installs the runtime at interpreter start."""
+    image = images["ghcr.io/kernelcache/examples:0.1.0"]
+    hook = image.site_packages / "kernelcache_runtime.pth"
+    assert hook.read_text() == (REPO / "src" / "kernelcache_runtime.pth").read_text()
+    record = next(image.site_packages.glob("kernelcache-*.dist-info")) / "RECORD"
+    assert "kernelcache_runtime.pth," in record.read_text()
+    assert not list(image.site_packages.glob("__editable__*kernelcache*"))
+    probe = "import sys; print('kernelcache.runtime' in sys.modules)"
+    python = str(image.venv / "bin" / "python")
+    env = {"PATH": "/usr/bin:/bin", "KERNELCACHE_RUNTIME": "1"}
+    done = subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
+    env.pop("KERNELCACHE_RUNTIME")
+    done = subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "permissive"])
+def test_the_hook_without_a_writable_tmp_refuses_in_one_line(
+    kc: harness.Cluster, strict: bool
+) -> None:
+    """A serving image with FlashInfer (a stand-in package from a ConfigMap), a read-only root
+    and no emptyDir at /tmp: strict refuses with one line, permissive warns and serves."""
+    name = f"no-tmp-{'strict' if strict else 'permissive'}"
+    stand_in = {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "flashinfer-stand-in", "namespace": "default"},
+                "data": {"init": "__version__ = '0.7.4'\n"}}  # fmt: skip
+    ok(kc.kubectl("apply", "--server-side", "--validate=false", "-f", "-",
+                  stdin=json.dumps(stand_in)))  # fmt: skip
+    env = {"KERNELCACHE_RUNTIME": "1", "PYTHONPATH": "/opt/stand-in"}
+    if strict:
+        env["KERNELCACHE_STRICT"] = "1"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [{
+                "name": "serve",
+                "image": "ghcr.io/kernelcache/examples:0.1.0",
+                "command": ["python", "-c", "print('served')"],
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "securityContext": {"readOnlyRootFilesystem": True},
+                "volumeMounts": [{"name": "stand-in", "mountPath": "/opt/stand-in"}],
+            }],
+            "volumes": [{"name": "stand-in", "configMap": {
+                "name": "flashinfer-stand-in",
+                "items": [{"key": "init", "path": "flashinfer/__init__.py"}]}}],
+        },
+    }  # fmt: skip
+    ok(kc.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(pod)))
+
+    def finished() -> dict[str, Any] | None:
+        got = kc.pod("default", name)
+        return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+    done = wait_until(finished, timeout=120, interval=0.5, what=f"pod {name}")
+    lines = kc.logs(done, "serve").strip().splitlines()
+    (state,) = done["status"]["containerStatuses"]
+    if strict:
+        assert state["state"]["terminated"]["exitCode"] == 10, lines
+        assert lines == [
+            "kernelcache: no writable temp directory for FlashInfer's build log: mount an "
+            "emptyDir at /tmp or set FLASHINFER_JIT_BUILD_LOG to a writable file"
+        ]
+    else:
+        assert state["state"]["terminated"]["exitCode"] == 0, lines
+        assert lines[-1] == "served" and "Traceback" not in "\n".join(lines), lines

@@ -49,14 +49,19 @@ from tests.cluster.images import Image
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-BACKOFF_S = 1.0
+
+
+def backoff(restarts: int) -> float:
+    """Seconds before restarting a container that exited: doubling, as CrashLoopBackOff."""
+    return float(min(0.5 * 2**restarts, 10.0))
+
 
 # Run by sh in the container's new mount namespace as root: build the root, then exec
 # "$@" (chroot, env, setpriv, the command). Mounts arrive as "kind source target ro" lines.
 SETUP = r"""
 set -eu
-root=$1 mounts=$2 readonly=$3 hostname=$4
-shift 4
+root=$1 mounts=$2 readonly=$3 hostname=$4 tree=$5
+shift 5
 hostname "$hostname"
 mount -t tmpfs -o mode=0755 rootfs "$root"
 for dir in $HOST_DIRS; do
@@ -65,8 +70,9 @@ for dir in $HOST_DIRS; do
         mount -o remount,bind,ro "$root/$dir"; fi
 done
 cp -a /etc "$root/etc"
-mkdir -p "$root/proc" "$root/sys" "$root/dev" "$root/var" "$root/run"
-mkdir -m 1777 "$root/tmp"
+cp -a "$tree/." "$root/"
+mkdir -p "$root/proc" "$root/sys" "$root/dev" "$root/var" "$root/run" "$root/tmp"
+chmod 1777 "$root/tmp"
 mount --rbind /proc "$root/proc"
 mount --rbind /sys "$root/sys"
 mount -t tmpfs -o mode=0755 dev "$root/dev"
@@ -120,7 +126,7 @@ class Container:
         default_factory=lambda: {"waiting": {"reason": "PodInitializing"}}
     )
     last_state: dict[str, Any] = field(default_factory=dict)
-    started: float = 0.0
+    exited: float = 0.0  # when the current run's exit was seen (0: running or never run)
     log: Path = Path()
     termination: Path = Path()
 
@@ -174,7 +180,7 @@ class PodRunner(threading.Thread):
             except NotReady as exc:
                 self.message = str(exc)
                 self._report()
-                self.stopping.wait(BACKOFF_S)
+                self.stopping.wait(1.0)
         return None
 
     def _run_to_success(self, container: Container, mounts: dict[str, Path]) -> bool:
@@ -187,7 +193,7 @@ class PodRunner(threading.Thread):
                 self.phase = "Failed"
                 self._report()
                 return False
-            self.stopping.wait(BACKOFF_S)
+            self.stopping.wait(backoff(container.restarts))
         return False
 
     def _run_containers(self, mounts: dict[str, Path]) -> None:
@@ -196,28 +202,21 @@ class PodRunner(threading.Thread):
             self._start(container, mounts)
         self.phase = "Running"
         self._report()
-        while not self.stopping.is_set():
-            running = False
+        while not self.stopping.wait(0.2):
             for container in self.containers:
-                if container.process is None:
+                process = container.process
+                if process is None or process.poll() is None:
                     continue
-                if container.process.poll() is None:
-                    running = True
-                    continue
-                self._terminated(container)
-                if always and time.monotonic() - container.started > BACKOFF_S:
+                if not container.exited:
+                    self._terminated(container)
+                    container.exited = time.monotonic()
+                if always and time.monotonic() - container.exited > backoff(container.restarts):
                     self._start(container, mounts)
-                    running = True
-                elif always:
-                    running = True
-                else:
-                    container.process = None
-            if not running and not always:
+            if not always and all(c.exited for c in self.containers):
                 failed = any(c.state["terminated"]["exitCode"] for c in self.containers)
                 self.phase = "Failed" if failed else "Succeeded"
                 self._report()
                 return
-            self.stopping.wait(0.2)
 
     def _start_and_wait(self, container: Container, mounts: dict[str, Path]) -> int:
         self._start(container, mounts)
@@ -314,6 +313,7 @@ class PodRunner(threading.Thread):
             str(table),
             read_only,
             self.pod_name,
+            str(image.tree),
             *inside,
         ]
         with log.open("wb") as out:
@@ -325,7 +325,7 @@ class PodRunner(threading.Thread):
                 start_new_session=True,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             )
-        container.started = time.monotonic()
+        container.exited = 0.0
         container.state = {"running": {"startedAt": _now()}}
         container.log, container.termination = log, termination
         self._report()
@@ -496,11 +496,6 @@ class PodRunner(threading.Thread):
         rows = [
             ("dir", str(Path(base).parent), str(Path(base).parent), "ro"),
             ("dir", str(image.venv), str(image.venv), "ro"),
-        ]
-        rows += [
-            ("dir", str(top), f"/{top.name}", "ro")
-            for top in image.tree.iterdir()
-            if any(top.iterdir())
         ]
         rows += [
             ("file", str(self.kubelet.user_db(image, "passwd")), "/etc/passwd", "ro"),
