@@ -824,3 +824,22 @@ def test_parse_expect_factor() -> None:
     for bad in ("dist/torch", "=2.11.0"):
         with pytest.raises(SpecError):
             initcontainer.parse_expect_factor(bad)
+
+
+def test_the_node_map_reader_names_what_is_missing(node_map: NodeMap, tmp_path: Path) -> None:
+    """The map is absent (no ConfigMap yet: the optional volume is an empty directory), the
+    node is not in it, or its entry is not JSON: each one line naming what to do."""
+    from kernelcache import nodemap
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NoGpuInfoError, match="ConfigMap kernelcache-nodes is missing"):
+        nodemap.reader(empty)("gpu-1")
+    with pytest.raises(NoGpuInfoError, match="node gpu-1: not in the node map"):
+        nodemap.reader(node_map.dir)("gpu-1")
+    (node_map.dir / "..data" / "gpu-2").write_text("not json")
+    (node_map.dir / "gpu-2").symlink_to("..data/gpu-2")
+    with pytest.raises(NoGpuInfoError, match="not a JSON object of node labels"):
+        nodemap.reader(node_map.dir)("gpu-2")
+    node_map["gpu-3"] = H200_LABELS
+    assert nodemap.reader(node_map.dir)("gpu-3") == H200_LABELS
