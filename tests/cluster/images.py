@@ -11,7 +11,8 @@ copied sources again. The base image is not pulled: its Python is this machine's
 directories the host's, and its user database (``BASE_IMAGES``) is the real image's.
 
 An image is built once per content (Dockerfile, copied files, Python): the result is kept
-under a directory named by that digest, so a test session pays one install per image.
+under a directory named by that digest (older builds of the Dockerfile are removed), so a
+test session pays one install per image, and a session on unchanged sources none.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def build_image(dockerfile: Path, context: Path, cache: Path) -> Image:
     where = cache.absolute() / f"{dockerfile.parent.name}-{_digest(dockerfile, context, sources)}"
     image = _interpret(dockerfile, context, steps, where, build=not (where / ".built").exists())
     (where / ".built").touch()
+    for stale in cache.absolute().glob(f"{dockerfile.parent.name}-*"):  # older contents' builds
+        if stale != where:
+            shutil.rmtree(stale, ignore_errors=True)
     return image
 
 
