@@ -72,8 +72,11 @@ USED: list[tuple[str, str, set[str], str]] = [
     ("", "pods", {"list"}, "all"),
     # create: reconcile makes the cache claim; delete: the finalizer drops an owned claim.
     ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
-    # create: reconcile writes the spec ConfigMap the compile Jobs read.
-    ("", "configmaps", {"create"}, "all"),
+    # create: reconcile writes the spec ConfigMap the compile Jobs read; create/patch:
+    # handle_update_nodes writes the node map serving pods read.
+    ("", "configmaps", {"create", "patch"}, "all"),
+    # list/watch: the gpu_nodes index and node_changed handler (main).
+    ("", "nodes", {"list", "watch"}, "all"),
     # create: kopf.event in main._post and main.delete (and kopf's own handler events).
     ("", "events", {"create"}, "all"),
     # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).

@@ -18,10 +18,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -89,72 +87,24 @@ def publish(
     return gen
 
 
-class NodeApi:
-    """Stands in for the Kubernetes API server: answers GET /api/v1/nodes/<name> with a Node
-    carrying the given labels (404 for other names), for the kubernetes client in the child
-    through a temporary kubeconfig."""
+class NodeMap:
+    """The operator's node map as the kubelet mounts it (``..data`` symlinks included), with
+    the given nodes' labels; nodes not given are not in it."""
 
-    def __init__(self, tmp_path: Path, nodes: dict[str, dict[str, str]]) -> None:
-        self.nodes = nodes
-        api = self
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path / "node-map"
+        self.dir.mkdir()
+        (self.dir / "..2026_12_01").mkdir()
+        (self.dir / "..data").symlink_to("..2026_12_01")
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                name = self.path.split("?")[0].removeprefix("/api/v1/nodes/")
-                body: dict[str, object]
-                if name in api.nodes:
-                    status = 200
-                    body = {
-                        "apiVersion": "v1",
-                        "kind": "Node",
-                        "metadata": {"name": name, "labels": api.nodes[name]},
-                    }
-                else:
-                    status = 404
-                    body = {"kind": "Status", "code": 404, "reason": "NotFound"}
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.kubeconfig = tmp_path / "kubeconfig"
-        self.kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "fake",
-                            "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"},
-                        }
-                    ],
-                    "users": [{"name": "fake", "user": {"token": "fake"}}],
-                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-                    "current-context": "fake",
-                }
-            )
-        )
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def __setitem__(self, node: str, labels: dict[str, str]) -> None:
+        (self.dir / "..data" / node).write_text(json.dumps(labels))
+        (self.dir / node).symlink_to(f"..data/{node}")
 
 
 @pytest.fixture
-def node_api(tmp_path: Path) -> Iterator[NodeApi]:
-    pytest.importorskip("kubernetes")
-    api = NodeApi(tmp_path, {})
-    yield api
-    api.close()
+def node_map(tmp_path: Path) -> NodeMap:
+    return NodeMap(tmp_path)
 
 
 @dataclass
@@ -166,7 +116,7 @@ class Pod:
     target: Path = field(init=False)
     termination_log: Path = field(init=False)
     bin: Path = field(init=False)
-    kubeconfig: Path | None = None
+    node_map: Path | None = None
 
     def __post_init__(self) -> None:
         self.store = self.tmp / "store"
@@ -186,8 +136,8 @@ class Pod:
         for name in list(env):
             if name.startswith(("KERNELCACHE_", "KUBERNETES_")) or name == "KUBECONFIG":
                 del env[name]
-        if self.kubeconfig is not None:
-            env["KUBECONFIG"] = str(self.kubeconfig)
+        if self.node_map is not None:
+            env["KERNELCACHE_NODE_MAP"] = str(self.node_map)
         cmd = [
             sys.executable, "-m", "kernelcache", "verify",
             "--store", str(store or self.store),
@@ -375,7 +325,7 @@ class Case:
     args: tuple[str, ...]
     code: ExitCode
     names: tuple[str, ...]
-    labels: dict[str, str] | None = None  # the --node-name's labels (None: unknown to the API)
+    labels: dict[str, str] | None = None  # the --node-name's labels (None: not in the map)
     signed: bool = False
     stamp_changes: dict[str, str] = field(default_factory=dict)  # factors built differently
 
@@ -553,11 +503,11 @@ CASES = {
         ("cpu-node has no nvidia.com/gpu.compute.major", "--arch", "nvidia-smi"),
         labels={"kubernetes.io/os": "linux"},
     ),
-    "node unknown to the API, no override, no nvidia-smi": Case(
+    "node not in the node map, no override, no nvidia-smi": Case(
         None,
         (*BY_NAME, "--node-name", "ghost"),
         ExitCode.NO_GPU_INFO,
-        ("node ghost: labels not read: API answered 404", "nvidia-smi"),
+        ("node ghost: not in the node map", "kernelcache-nodes", "nvidia-smi"),
     ),
     "no node name, no override, no nvidia-smi": Case(
         None, BY_NAME, ExitCode.NO_GPU_INFO, ("--node-name", "nvidia-smi is not on PATH")
@@ -574,10 +524,10 @@ def test_refused(case: Case, pod: Pod, tmp_path: Path, request: pytest.FixtureRe
     if case.mutate is not None:
         case.mutate(gen, tmp_path)
     if "--node-name" in case.args:
-        api = request.getfixturevalue("node_api")
+        nodes = request.getfixturevalue("node_map")
         if case.labels is not None:
-            api.nodes[case.args[case.args.index("--node-name") + 1]] = case.labels
-        pod.kubeconfig = api.kubeconfig
+            nodes[case.args[case.args.index("--node-name") + 1]] = case.labels
+        pod.node_map = nodes.dir
     store_file = tmp_path / "pvc-file"
     store_file.write_text("not a directory\n")
     other_public = generate_keypair(tmp_path / "other-keys")[1]
@@ -622,10 +572,12 @@ def test_target_that_cannot_be_written_is_an_io_failure(pod: Pod) -> None:
 # --------------------------------------------------------------------------- success
 
 
-def test_labels_from_the_api_pick_and_materialize_the_generation(pod: Pod, node_api) -> None:
+def test_labels_from_the_node_map_pick_and_materialize_the_generation(
+    pod: Pod, node_map: NodeMap
+) -> None:
     gen = publish(pod.store)
-    node_api.nodes["gpu-h200"] = {**H200_LABELS, "nvidia.com/gpu.product": "NVIDIA-H200-SHARED"}
-    pod.kubeconfig = node_api.kubeconfig
+    node_map["gpu-h200"] = {**H200_LABELS, "nvidia.com/gpu.product": "NVIDIA-H200-SHARED"}
+    pod.node_map = node_map.dir
     proc = pod.verify(*BY_NAME, "--node-name", "gpu-h200", "--expect-image", IMAGE)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
@@ -872,3 +824,22 @@ def test_parse_expect_factor() -> None:
     for bad in ("dist/torch", "=2.11.0"):
         with pytest.raises(SpecError):
             initcontainer.parse_expect_factor(bad)
+
+
+def test_the_node_map_reader_names_what_is_missing(node_map: NodeMap, tmp_path: Path) -> None:
+    """The map is absent (no ConfigMap yet: the optional volume is an empty directory), the
+    node is not in it, or its entry is not JSON: each one line naming what to do."""
+    from kernelcache import nodemap
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NoGpuInfoError, match="ConfigMap kernelcache-nodes is missing"):
+        nodemap.reader(empty)("gpu-1")
+    with pytest.raises(NoGpuInfoError, match="node gpu-1: not in the node map"):
+        nodemap.reader(node_map.dir)("gpu-1")
+    (node_map.dir / "..data" / "gpu-2").write_text("not json")
+    (node_map.dir / "gpu-2").symlink_to("..data/gpu-2")
+    with pytest.raises(NoGpuInfoError, match="not a JSON object of node labels"):
+        nodemap.reader(node_map.dir)("gpu-2")
+    node_map["gpu-3"] = H200_LABELS
+    assert nodemap.reader(node_map.dir)("gpu-3") == H200_LABELS

@@ -496,6 +496,11 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
         (job,) = wait_until(lambda: jobs_of("own-claim"), what="the compile Job")
         finish_job(kube, job, succeeded=True)
         wait_until(lambda: phase("own-claim") == "Ready", what="own-claim Ready")
+        # A GPU node joins: the namespace's node map is rewritten.
+        gpu = {"nvidia.com/gpu.compute.major": "9", "nvidia.com/gpu.compute.minor": "0"}
+        kube.create("/api/v1/nodes", {"metadata": {"name": "gpu-1", "labels": gpu}})
+        node_map = f"/api/v1/namespaces/{namespace}/configmaps/kernelcache-nodes"
+        wait_until(lambda: "gpu-1" in (kube.get(node_map).get("data") or {}), what="the map")
         wait_until(lambda: jobs_of("shared-claim"), what="the shared claim's compile Job")
         for body in (own, shared):
             kube.delete(kernelcache_path(namespace, body["metadata"]["name"]))

@@ -196,6 +196,7 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "/spec/initContainers",  # the pod had none: the list is created
         "/spec/volumes/-",
         "/spec/volumes/-",
+        "/spec/volumes/-",
         "/spec/containers/0/env/-",
         "/spec/containers/0/env/-",
         "/spec/containers/0/env/-",
@@ -224,6 +225,7 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "--policy", "strict",
         "--materialize", "/kernelcache",
         "--termination-log", "/dev/termination-log",
+        "--node-map", "/etc/kernelcache/nodes",
     ]  # fmt: skip
     assert init["env"] == [
         {"name": "KERNELCACHE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
@@ -236,6 +238,7 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
     assert init["volumeMounts"] == [
         {"name": "kernelcache-store", "mountPath": CONFIG.store_mount_path, "readOnly": True},
         {"name": "kernelcache", "mountPath": "/kernelcache"},
+        {"name": "kernelcache-nodes", "mountPath": "/etc/kernelcache/nodes", "readOnly": True},
     ]
 
     volumes = {v["name"]: v for v in new["spec"]["volumes"]}
@@ -244,6 +247,11 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "readOnly": True,
     }
     assert volumes["kernelcache"] == {"name": "kernelcache", "emptyDir": {}}
+    # The operator's node map: optional, so a namespace without one fails in one line.
+    assert volumes["kernelcache-nodes"] == {
+        "name": "kernelcache-nodes",
+        "configMap": {"name": "kernelcache-nodes", "optional": True},
+    }
 
     container = new["spec"]["containers"][0]
     assert container["volumeMounts"][-1] == {

@@ -120,6 +120,7 @@ def test_pods_created_through_the_api_are_injected_once_or_refused(
                 "models",
                 webhook.STORE_VOLUME,
                 webhook.CACHE_VOLUME,
+                webhook.NODE_MAP_VOLUME,
             ]
             claim = spec["volumes"][1]["persistentVolumeClaim"]
             assert claim == {"claimName": "kernelcache-demo", "readOnly": True}

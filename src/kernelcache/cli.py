@@ -165,6 +165,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             arch=args.arch,
             gpu_product=args.gpu_product,
             node_name=args.node_name,
+            node_map=args.node_map,
             expect_image=args.expect_image,
             expect_factors=dict(map(initcontainer.parse_expect_factor, args.expect_factor)),
             check_env=args.check_env,
@@ -425,6 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-product", help="this node's GPU product (else KERNELCACHE_GPU_PRODUCT)")
     p.add_argument(
         "--node-name", help="read the arch from this node's GPU labels (else KERNELCACHE_NODE_NAME)"
+    )
+    p.add_argument(
+        "--node-map",
+        type=Path,
+        help="the operator's node map, mounted (else KERNELCACHE_NODE_MAP, /etc/kernelcache/nodes)",
     )
     p.add_argument(
         "--expect-image", metavar="IMAGE[@sha256:...]", help="the pod's engine image must match"

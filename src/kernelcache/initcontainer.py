@@ -4,9 +4,10 @@
 
 1. **This node.** Its SM arch and GPU product come from, first to last: an explicit override
    (``--arch``/``--gpu-product`` or ``KERNELCACHE_ARCH``/``KERNELCACHE_GPU_PRODUCT``); the
-   node's GPU feature discovery labels, read through the API with the node name from the
-   downward API (``--node-name`` or ``KERNELCACHE_NODE_NAME``); ``nvidia-smi`` when a GPU is
-   visible. The labels come before ``nvidia-smi`` because an init-container is usually given
+   node's GPU feature discovery labels, read from the operator's node map (``nodemap``:
+   ``--node-map`` or ``KERNELCACHE_NODE_MAP``, a mounted ConfigMap) with the node name from
+   the downward API (``--node-name`` or ``KERNELCACHE_NODE_NAME``); ``nvidia-smi`` when a GPU
+   is visible. The labels come before ``nvidia-smi`` because an init-container is usually given
    no GPU (requesting one would hold it while the cache is copied).
 2. **The generation** that CURRENT names for ``<namespace>/<name>/<arch>`` on the read-only
    store (or an explicit ``--key``).
@@ -26,8 +27,8 @@ names the factor or file, and the target directory then holds nothing that looks
 env file is removed first and only written after everything else succeeded, and a copy is
 renamed into place only when complete (``store.materialize``).
 
-Nothing here imports torch, a DSL or a toolchain: the init-container image is slim. The
-Kubernetes client is imported only when node labels are read.
+Nothing here imports torch, a DSL, a toolchain or the Kubernetes client: the init-container
+image is slim and needs no API access.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from kernelcache import nodemap, vllm_root
 from kernelcache import stamp as stamps
-from kernelcache import vllm_root
 from kernelcache.errors import (
     KernelCacheError,
     MissingGenerationError,
@@ -59,6 +59,7 @@ from kernelcache.errors import (
 
 # The store's private write helpers too: one-line StorageErrors naming path and errno, and
 # files made durable the way the store makes its own.
+from kernelcache.nodemap import MAJOR_LABEL, MINOR_LABEL, PRODUCT_LABEL
 from kernelcache.store import (
     COMPLETE_MARKER,
     CURRENT_NAME,
@@ -86,7 +87,6 @@ __all__ = [
     "error_line",
     "image_matches",
     "parse_expect_factor",
-    "read_node_labels",
     "run",
     "tune_scoped_files",
     "write_termination_log",
@@ -99,10 +99,6 @@ TERMINATION_LOG = Path("/dev/termination-log")
 # Kubernetes keeps at most 4096 bytes of a termination message.
 _TERMINATION_LIMIT = 4096
 
-# GPU feature discovery's node labels.
-PRODUCT_LABEL = "nvidia.com/gpu.product"
-MAJOR_LABEL = "nvidia.com/gpu.compute.major"
-MINOR_LABEL = "nvidia.com/gpu.compute.minor"
 # GFD appends this to the product of a time-sliced GPU: the same chip, tuned the same.
 _SHARED_SUFFIX = "-SHARED"
 
@@ -113,7 +109,6 @@ TUNE_SUFFIXES = (".autotune.json", ".best_config")
 TUNE_PREFIXES = ("flashinfer/tactics/",)
 
 ENGINE_IMAGE_FACTOR = "extra/engine_image"
-NODE_LABEL_TIMEOUT_S = 5.0
 
 LabelReader = Callable[[str], Mapping[str, str]]
 
@@ -154,49 +149,6 @@ def arch_from_labels(labels: Mapping[str, str]) -> tuple[str | None, str | None]
     return f"sm_{int(major)}{minor}{'a' if int(major) >= 9 else ''}", product
 
 
-def read_node_labels(node_name: str) -> Mapping[str, str]:
-    """The node's labels through the API: in-cluster credentials, else a kubeconfig.
-
-    The client is imported here, not at module import: only this source needs it, and the
-    slim image may leave it out (labels then count as not found). Any failure is a
-    NoGpuInfoError whose message says why, so the caller can go on to the next source.
-    """
-    try:
-        from kubernetes import client, config
-        from urllib3.exceptions import HTTPError
-    except ImportError:
-        raise NoGpuInfoError(
-            f"node {node_name}: labels not read: the kubernetes client is not installed"
-        ) from None
-    configuration = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=configuration)
-    except config.ConfigException:
-        try:
-            config.load_kube_config(client_configuration=configuration)
-        except (config.ConfigException, OSError) as exc:
-            raise NoGpuInfoError(
-                f"node {node_name}: labels not read: no in-cluster credentials or kubeconfig "
-                f"({_one_line(exc)})"
-            ) from None
-    configuration.retries = 1  # an init-container waits seconds, not minutes, for an answer
-    api = client.CoreV1Api(client.ApiClient(configuration))
-    try:
-        # The raw answer (an urllib3 response): only the labels are needed, not a V1Node.
-        response: Any = api.read_node(
-            node_name, _preload_content=False, _request_timeout=NODE_LABEL_TIMEOUT_S
-        )
-        node = json.loads(response.data)
-    except client.ApiException as exc:
-        raise NoGpuInfoError(
-            f"node {node_name}: labels not read: API answered {exc.status} {exc.reason}"
-        ) from None
-    except (HTTPError, OSError, ValueError) as exc:
-        raise NoGpuInfoError(f"node {node_name}: labels not read: {_one_line(exc)}") from None
-    labels = (node.get("metadata") or {}).get("labels") or {}
-    return {str(k): str(v) for k, v in labels.items()}
-
-
 def _from_nvidia_smi() -> tuple[str, str | None]:
     """(arch, product) of the visible GPUs: the same reading the stamp's detection makes.
 
@@ -217,7 +169,7 @@ def discover_node(
     gpu_product: str | None = None,
     node_name: str | None = None,
     env: Mapping[str, str] | None = None,
-    label_reader: LabelReader = read_node_labels,
+    label_reader: LabelReader | None = None,
 ) -> NodeInfo:
     """This node's arch and product; each from the first source that knows it.
 
@@ -242,6 +194,8 @@ def discover_node(
     take("product", env.get("KERNELCACHE_GPU_PRODUCT"), "KERNELCACHE_GPU_PRODUCT")
 
     node = node_name or env.get("KERNELCACHE_NODE_NAME")
+    if label_reader is None:
+        label_reader = nodemap.reader(Path(env.get("KERNELCACHE_NODE_MAP") or nodemap.MOUNT_DIR))
     if len(found) < 2 and node:
         try:
             label_arch, label_product = arch_from_labels(label_reader(node))
@@ -417,6 +371,7 @@ class Options:
     arch: str | None = None
     gpu_product: str | None = None
     node_name: str | None = None
+    node_map: Path | None = None  # the node map's directory; else KERNELCACHE_NODE_MAP
     expect_image: str | None = None
     expect_factors: Mapping[str, str] = field(default_factory=dict)
     check_env: bool = False
@@ -463,7 +418,7 @@ def run(
     options: Options,
     *,
     env: Mapping[str, str] | None = None,
-    label_reader: LabelReader = read_node_labels,
+    label_reader: LabelReader | None = None,
 ) -> Outcome:
     """Verify the generation for this node and materialize it; raise on any failure."""
     if options.policy not in POLICIES:
@@ -485,7 +440,8 @@ def run(
         gpu_product=options.gpu_product,
         node_name=options.node_name,
         env=env,
-        label_reader=label_reader,
+        label_reader=label_reader
+        or (nodemap.reader(options.node_map) if options.node_map is not None else None),
     )
     key, arch = _key_and_arch(options, node)
     store = Store(options.store)

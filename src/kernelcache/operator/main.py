@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,7 @@ from typing import Any, cast
 
 import kopf
 
+from kernelcache.nodemap import gpu_labels
 from kernelcache.operator import metrics, webhook
 from kernelcache.operator.config import OperatorConfig
 from kernelcache.operator.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
@@ -26,6 +28,7 @@ from kernelcache.operator.handlers.handle_reconcile_kernelcache import (
 )
 from kernelcache.operator.handlers.handle_start_operator import ensure_peering
 from kernelcache.operator.handlers.handle_update_job import reconcile_job_owner
+from kernelcache.operator.handlers.handle_update_nodes import publish_node_map
 from kernelcache.operator.kube import Kube
 from kernelcache.operator.manifests import (
     COMPILE,
@@ -102,6 +105,7 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
     _configure(settings)
     memo.kube = Kube.from_environment(connections=CONFIG.workers)
+    memo.node_maps = {}  # namespace -> the node map last written there
     for problem in ensure_peering(memo.kube, CONFIG):
         logger.warning("%s; kopf keeps this replica paused until it exists", problem)
     if CONFIG.metrics_port:
@@ -120,13 +124,36 @@ def _jobs_of(kwargs: dict[str, Any]) -> Callable[[str], list[dict[str, Any]]]:
     return lambda uid: list(index.get(uid, []))
 
 
+@kopf.index("", "v1", "nodes")
+def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, str]]:
+    """GPU nodes' feature-discovery labels by node name, kept from the watch."""
+    labels = gpu_labels(body)
+    return {name: labels} if labels else {}
+
+
+def _nodes_of(kwargs: dict[str, Any]) -> dict[str, dict[str, str]]:
+    index: kopf.Index[str, dict[str, str]] = kwargs["gpu_nodes"]
+    return {name: next(iter(labels)) for name, labels in index.items()}
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_changed(type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+    """A node came, went or was relabelled: update the maps of the namespaces that have one."""
+    if type is None:
+        return  # the initial listing: each namespace's first reconcile writes its map
+    for namespace in list(memo.node_maps):
+        publish_node_map(memo.kube, namespace, _nodes_of(kwargs), memo.node_maps)
+
+
 @kopf.on.resume(*KC)
 @kopf.on.create(*KC)
 @kopf.on.update(*KC, field="spec")
 @kopf.timer(*KC, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
 def reconcile(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Bring a KernelCache's claim, spec ConfigMap and compile Jobs in line; write status."""
+    """Bring a KernelCache's claim, spec ConfigMap and compile Jobs in line; write status;
+    give its namespace the node map its serving pods read."""
     _post(reconcile_kernelcache(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+    publish_node_map(memo.kube, body["metadata"]["namespace"], _nodes_of(kwargs), memo.node_maps)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=COMPILE_JOBS)
@@ -182,6 +209,17 @@ def reconciles(**_: Any) -> float:
     return metrics.reconciles_total()
 
 
+def peering_identity() -> str:
+    """This replica's name among its peers: ``POD_ID`` if set (kopf's own convention), else
+    the host name (the pod's name) with a random suffix.
+
+    kopf's default asks ``getpass.getuser()``, which raises for a uid without a passwd entry:
+    the image's own user (65532 in python:3.12-slim) and any uid a platform assigns
+    (OpenShift's restricted policy) would crash-loop the operator at start.
+    """
+    return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
+
+
 def run(verbose: bool = False) -> int:
     """Run the operator in this thread until it is stopped (SIGTERM, SIGINT)."""
     kopf.configure(verbose=verbose)
@@ -189,5 +227,6 @@ def run(verbose: bool = False) -> int:
         clusterwide=not CONFIG.namespaces,
         namespaces=list(CONFIG.namespaces),
         liveness_endpoint=CONFIG.liveness or None,
+        identity=cast(Any, peering_identity()),  # kopf's Identity: a str NewType
     )
     return 0

@@ -10,7 +10,8 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
 - the init-container ``kernelcache`` (``kernelcache verify``, the image of
   ``OperatorConfig.init_image``): the cache's claim mounted read-only at
   ``OperatorConfig.store_mount_path`` (into it alone), the node name from the downward API,
-  the engine image and policy from the KernelCache, ``--materialize /kernelcache``; with
+  the engine image and policy from the KernelCache, ``--materialize /kernelcache``, the
+  operator's node map (``kernelcache.nodemap``, a ConfigMap) to learn the node's arch; with
   signing enabled, the public key ``kernelcache.pub`` from the signing Secret (only that key
   is projected, so the pod never sees the private one) and ``--require-signature``;
 - the emptyDir ``kernelcache`` at ``/kernelcache``: written by the init-container, read-only
@@ -52,6 +53,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from kernelcache import nodemap
 from kernelcache.errors import SpecError
 from kernelcache.initcontainer import ENV_FILE, image_matches
 from kernelcache.operator.config import OperatorConfig
@@ -74,6 +76,7 @@ INIT_CONTAINER = "kernelcache"
 CACHE_VOLUME = "kernelcache"
 STORE_VOLUME = "kernelcache-store"
 KEY_VOLUME = "kernelcache-key"
+NODE_MAP_VOLUME = "kernelcache-nodes"
 CACHE_DIR = "/kernelcache"
 VLLM_VOLUME = "kernelcache-vllm"
 PUBLIC_KEY_FILE = "kernelcache.pub"  # what `kernelcache keygen` writes beside kernelcache.key
@@ -203,10 +206,12 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
         "--policy", kc.spec.verification.policy,
         "--materialize", CACHE_DIR,
         "--termination-log", TERMINATION_LOG,
+        "--node-map", nodemap.MOUNT_DIR,
     ]  # fmt: skip
     mounts = [
         {"name": STORE_VOLUME, "mountPath": config.store_mount_path, "readOnly": True},
         {"name": CACHE_VOLUME, "mountPath": CACHE_DIR},
+        {"name": NODE_MAP_VOLUME, "mountPath": nodemap.MOUNT_DIR, "readOnly": True},
     ]
     if kc.spec.verification.signing.enabled:
         args += ["--public-key", f"{SIGNING_DIR}/{PUBLIC_KEY_FILE}", "--require-signature"]
@@ -239,7 +244,8 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
 
 
 def volumes(kc: KernelCache) -> list[dict[str, Any]]:
-    """The claim (read-only), the emptyDir and, with signing, the public key only."""
+    """The claim (read-only), the emptyDir, the node map and, with signing, the public key
+    only. The map is optional: without it the init-container says so in one line."""
     found = [
         {
             "name": STORE_VOLUME,
@@ -247,6 +253,10 @@ def volumes(kc: KernelCache) -> list[dict[str, Any]]:
         },
         {"name": CACHE_VOLUME, "emptyDir": {}},
         *({"name": m["name"], "emptyDir": {}} for m in vllm_mounts(kc)),
+        {
+            "name": NODE_MAP_VOLUME,
+            "configMap": {"name": nodemap.CONFIGMAP_NAME, "optional": True},
+        },
     ]
     signing = kc.spec.verification.signing
     if signing.enabled and signing.secret_name:

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelcache.errors import (
+    ExitCode,
     KernelCacheError,
     MissingGenerationError,
     SpecError,
@@ -387,11 +388,28 @@ def _observe(runtime: Runtime, files: Path | None) -> None:
         hooks.refuse_flashinfer_cute_dsl_builds()
     build_log = config.flashinfer_build_log
     if build_log is None and importlib.util.find_spec("flashinfer") is not None:
-        build_log = Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"
-        _set_default(runtime, "FLASHINFER_JIT_BUILD_LOG", str(build_log))
+        build_log = _default_build_log(config.strict)
+        if build_log is not None:
+            _set_default(runtime, "FLASHINFER_JIT_BUILD_LOG", str(build_log))
     if build_log is not None:
         tail = hooks.BuildLogTail(build_log, config.flashinfer_min_build_seconds)
         tail.start(config.poll_seconds)
+
+
+def _default_build_log(strict: bool) -> Path | None:
+    """A file for FlashInfer's build log in the temp dir; without a writable one (a read-only
+    root and no emptyDir at /tmp), strict mode refuses and permissive counts no builds."""
+    try:
+        return Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"
+    except FileNotFoundError:  # tempfile found no writable directory
+        message = (
+            "no writable temp directory for FlashInfer's build log: mount an emptyDir at "
+            "/tmp or set FLASHINFER_JIT_BUILD_LOG to a writable file"
+        )
+        if strict:
+            raise StorageError(message) from None
+        log.warning("kernelcache: %s; FlashInfer builds are not counted", message)
+        return None
 
 
 def observe_torch(files: Path | None, strict: bool) -> None:
@@ -449,3 +467,7 @@ def autoinstall() -> None:
     except KernelCacheError as exc:
         print(f"kernelcache: {exc.message}", file=sys.stderr, flush=True)
         os._exit(int(exc.code))
+    except Exception as exc:  # a bug: one line with its type, not a traceback inside site
+        print(f"kernelcache: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(int(ExitCode.FAILURE))
