@@ -35,7 +35,6 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -44,6 +43,7 @@ import blake3
 
 from kernelcache.arch import arch_problem
 from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
+from kernelcache.sources import SourceError, find_spec_without_import, module_sources
 
 __all__ = [
     "DEFAULT_DISTRIBUTIONS",
@@ -59,7 +59,6 @@ __all__ = [
     "file_digest",
     "from_json",
     "record_digest",
-    "source_digest",
     "to_json",
     "workload_digest",
 ]
@@ -303,14 +302,7 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
     tuning results and is checked against the node separately.
     """
     factors = recorded.factors
-    sources = {}
-    for name in factors:
-        if name.startswith("source/"):
-            module = name.removeprefix("source/")
-            try:
-                sources[module] = source_digest(module)
-            except Exception:  # not importable here: the factor reads as absent
-                sources[module] = "absent"
+    sources = _kernel_sources(n.removeprefix("source/") for n in factors if n.startswith("source/"))
     here = collect(
         arch=arch or factors.get("arch"),
         distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
@@ -326,6 +318,15 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
     if SM_COUNT_FACTOR in factors:
         declared[SM_COUNT_FACTOR] = _sm_count_here(factors[SM_COUNT_FACTOR])
     return Stamp({**measured, **declared})
+
+
+def _kernel_sources(modules: Iterable[str]) -> dict[str, str]:
+    """The recorded kernel modules as found here, with every project-local module they import
+    now (one added since the build is a factor added); one that cannot be read is a mismatch."""
+    try:
+        return module_sources(*modules)
+    except SourceError as exc:
+        raise StampMismatchError(exc.message) from None
 
 
 def _sm_count_here(recorded: str) -> str:
@@ -511,7 +512,7 @@ def flashinfer_cute_dsl_fingerprint() -> str:
 
 def flashinfer_install() -> str:
     """Where FlashInfer is installed: it hashes its sources' absolute paths into its keys."""
-    spec = _find_spec_without_import("flashinfer")
+    spec = find_spec_without_import("flashinfer")
     if spec is None or not spec.origin:
         return "absent"
     return str(Path(spec.origin).parent.parent)  # as Python found it: FlashInfer hashes __file__
@@ -606,30 +607,6 @@ def record_digest(dist: importlib.metadata.Distribution) -> str:
 def file_digest(path: str | os.PathLike[str]) -> str:
     """``blake3:<hex>`` of a file's bytes."""
     return "blake3:" + blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
-
-
-def source_digest(module_name: str) -> str:
-    """Digest of the file a module would be loaded from, found without executing anything."""
-    try:
-        spec = _find_spec_without_import(module_name)
-    except (ImportError, ValueError) as exc:
-        raise SpecError(f"source/{module_name}: cannot be located ({exc})") from None
-    if spec is None or not spec.has_location or spec.origin is None:
-        raise SpecError(f"source/{module_name}: no source file found for this module")
-    return file_digest(spec.origin)
-
-
-def _find_spec_without_import(module_name: str) -> ModuleSpec | None:
-    # importlib.util.find_spec("a.b") imports (runs) package "a"; walk the parents by hand.
-    parts = module_name.split(".")
-    spec = importlib.util.find_spec(parts[0])
-    for depth in range(2, len(parts) + 1):
-        if spec is None or spec.submodule_search_locations is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(
-            ".".join(parts[:depth]), spec.submodule_search_locations
-        )
-    return spec
 
 
 def workload_digest(obj: object) -> str:

@@ -7,7 +7,8 @@ dtype, alignment, compile options and the warmer's ``env``) and ``extra`` (model
 image). Prints one JSON object:
 
 - ``stamp``: the environment stamp (``kernelcache.stamp.collect``), with the entry point's
-  module source as a ``source/`` factor, as a build records it;
+  module and the project-local modules it imports as ``source/`` factors, as a build records
+  them;
 - ``cute``: the CuTe-DSL disk-layer key factors and digest of each GEMM shape, for the
   arguments ``examples/cute_gemm.py``'s ``specializations`` builds (with the declared dtype
   and alignment); nothing is compiled;
@@ -34,7 +35,8 @@ from typing import Any
 
 import blake3
 
-from kernelcache.stamp import collect, source_digest
+from kernelcache.sources import module_sources
+from kernelcache.stamp import collect
 
 
 def cute_keys(warmup: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,9 +109,7 @@ def main() -> None:
     os.environ.update(warmup["env"])  # as the warmer does, before the DSL is imported
     locale.setlocale(locale.LC_ALL, "")  # as a serving process would: the locale takes effect
     module = warmup["entryPoint"].partition(":")[0]
-    stamp = collect(
-        sources={module: source_digest(module)}, workload=warmup, extra=declared["extra"]
-    )
+    stamp = collect(sources=module_sources(module), workload=warmup, extra=declared["extra"])
     report = {
         "stamp": stamp.to_dict(),
         "cute": cute_keys(warmup),

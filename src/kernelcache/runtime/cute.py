@@ -6,7 +6,8 @@ call by what decides the compiled code, exports the object on a miss and
 loads it with ``cutlass.cute.runtime.load_module`` on a hit (no MLIR compile at all).
 
 The key is an explicit dict of named factors, saved beside the artifact in ``<key>.json``:
-the function's qualified name, a digest of its module's source, the argument signature
+the function's qualified name, digests of its module's source and of every project-local module
+that module imports, transitively (``kernelcache.sources``), the argument signature
 (tensor dtype/shape/stride/alignment/memory space, scalar types and values), the compile
 options, the DSL stack (versions and installed-RECORD digests of the nvidia-cutlass-dsl
 distributions), the target arch and the compile-affecting ``CUTE_DSL_*`` settings. A hit means
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "KERNELCACHE_CUTE_DSL_DIR"
 STRICT_ENV = "KERNELCACHE_STRICT"
-KEY_FORMAT = "kernelcache.dev/cute-dsl/v1"
+KEY_FORMAT = "kernelcache.dev/cute-dsl/v2"  # v2: sources of the imported modules
 # Fallback only: CUTE_DSL_* settings that say where to write or what to log.
 _NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
 
@@ -87,11 +88,21 @@ def dsl_stack() -> dict[str, str]:
 
 
 @cache
-def _module_source_digest(path: str) -> str:
-    return "blake3:" + blake3.blake3(Path(path).read_bytes()).hexdigest()
+def _module_sources(module: str, path: str) -> dict[str, str]:
+    """The function's module and every project-local module it imports (``kernelcache.sources``),
+    read once per process: the code this process runs is the code it imported first."""
+    from kernelcache.sources import ABSENT, SourceError, module_sources, script_sources
+
+    try:
+        found = module_sources(module) if module != "__main__" else {}
+        if found.get(module, ABSENT) == ABSENT:  # a script, or a module loaded from a path
+            found = script_sources(path)
+    except SourceError as exc:
+        raise UncacheableError(exc.message) from exc
+    return found
 
 
-def _function_factors(fn: Any) -> dict[str, str]:
+def _function_factors(fn: Any) -> dict[str, Any]:
     target = inspect.unwrap(getattr(fn, "func", fn))
     if not (inspect.isroutine(target) or inspect.isclass(target)):
         return _instance_factors(target)
@@ -103,11 +114,11 @@ def _function_factors(fn: Any) -> dict[str, str]:
         raise UncacheableError(f"{target!r} has no source file")
     return {
         "function": f"{target.__module__}:{target.__qualname__}",
-        "source": _module_source_digest(source),
+        "source": _module_sources(target.__module__, source),
     }
 
 
-def _instance_factors(kernel: Any) -> dict[str, str]:
+def _instance_factors(kernel: Any) -> dict[str, Any]:
     """A configured kernel object: its class's source and the configuration it says it has.
 
     FlashInfer's kernel classes expose ``__cache_key__`` (every setting that changes the

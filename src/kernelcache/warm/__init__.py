@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kernelcache.errors import WarmError, one_line
+from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.spec import GpuClass
 from kernelcache.spec import Warmer as WarmerSpec
-from kernelcache.stamp import source_digest
 from kernelcache.warm.deadline import deadline
 
 # Cache variable -> subdirectory of files/ it is pointed at during a warm.
@@ -137,14 +137,19 @@ def resolve_entry_point(entry_point: str, spec_dir: Path | None) -> Callable[...
 def entry_point_sources(
     kind: str, entry_points: Iterable[str], spec_dir: Path | None
 ) -> dict[str, str]:
-    """Digests of the entry points' modules: stamp factors ``source/<module>``."""
+    """Digests of the entry points' modules and of every project-local module they import,
+    transitively (``kernelcache.sources``): stamp factors ``source/<module>``."""
     if spec_dir is not None and str(spec_dir) not in sys.path:
         sys.path.insert(0, str(spec_dir))
     modules = sorted({ep.partition(":")[0] for ep in entry_points})
     try:
-        return {m: source_digest(m) for m in modules}
-    except Exception as exc:  # a module that cannot be found cannot be keyed
-        raise WarmError(f"{kind} warmer: cannot digest source: {exc}") from exc
+        digests = module_sources(*modules)
+    except SourceError as exc:
+        raise WarmError(f"{kind} warmer: cannot key the kernels: {exc.message}") from exc
+    for module in modules:
+        if digests.get(module, ABSENT) == ABSENT:
+            raise WarmError(f"{kind} warmer: cannot digest source: module {module} not found")
+    return digests
 
 
 def call_entry_points(
