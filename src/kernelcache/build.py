@@ -100,6 +100,7 @@ def warm_arch(
         measured=sorted({name for w in warmers for name in w.measured_factors()}),
         sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
         paths={name: path for w in warmers for name, path in w.path_factors().items()},
+        ask_triton=True,
     )
     key = cache_key(kc, arch)
     with store.writer(key) as writer:

@@ -43,6 +43,7 @@ import blake3
 
 from kernelcache.arch import arch_problem
 from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
+from kernelcache.settings import SETTING_PREFIX, compile_settings
 from kernelcache.sources import SourceError, find_spec_without_import, module_sources
 
 __all__ = [
@@ -257,6 +258,8 @@ def collect(
     measured: Iterable[str] = (),
     sm_counts: Iterable[int] = (),
     paths: Mapping[str, str] | None = None,
+    settings: Iterable[str] = (),
+    ask_triton: bool = False,
 ) -> Stamp:
     """The stamp of this environment for a build or a check.
 
@@ -265,6 +268,9 @@ def collect(
     means the defaults. ``measured`` names factors of ``MEASURED_FACTORS`` a warmer depends on;
     ``sm_counts`` are the SM counts kernels were sized for (``gpu/sm_count``). ``paths``
     are the paths an engine bakes into its artifacts (``PATH_FACTORS``), as the warm used them.
+    The toolchain settings that change compiled code (``kernelcache.settings``) are ``setting/``
+    factors; ``settings`` names variables to measure besides, ``ask_triton`` lets Triton name
+    its own.
     """
     target = detect_arch(arch)
     if gpu_product is None:
@@ -290,6 +296,7 @@ def collect(
         if name not in PATH_FACTORS:
             raise SpecError(f"{name}: not a path factor (known: {', '.join(PATH_FACTORS)})")
         factors[name] = value
+    factors.update(compile_settings(also=settings, ask_triton=ask_triton))
     return Stamp(factors)
 
 
@@ -297,7 +304,8 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
     """This environment's stamp for comparison with ``recorded``.
 
     Recomputes what an environment decides (arch, Python ABI, CUDA runtime, every recorded
-    distribution, the declared kernel sources as importable here) and carries over what the
+    distribution, the kernel sources as importable here, the toolchain settings: those set
+    here and every one recorded) and carries over what the
     build declared (workload, model, engine image) and the GPU product, which scopes only
     tuning results and is checked against the node separately.
     """
@@ -309,6 +317,7 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
         sources=sources,
         extra={n.removeprefix("extra/"): v for n, v in factors.items() if n.startswith("extra/")},
         measured=[n for n in factors if n in MEASURED_FACTORS],
+        settings=[n.removeprefix(SETTING_PREFIX) for n in factors if n.startswith(SETTING_PREFIX)],
     )
     measured = {n: v for n, v in here.factors.items() if n not in TUNE_SCOPED}
     carried = {n for n, measure in PATH_FACTORS.items() if measure is None}
@@ -520,7 +529,7 @@ def flashinfer_install() -> str:
 
 def vllm_install() -> str:
     """Where vLLM is installed: its compile cache names files of the install by absolute path."""
-    spec = _find_spec_without_import("vllm")
+    spec = find_spec_without_import("vllm")
     if spec is None or not spec.origin:
         return "absent"
     return str(Path(spec.origin).parent.parent)
