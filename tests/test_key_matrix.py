@@ -43,6 +43,7 @@ from kernelcache.stamp import DEFAULT_DISTRIBUTIONS, TUNE_SCOPED
 from kernelcache.store import Store
 from tests.conftest import EXAMPLES, REPO, needs_cute
 from tests.helpers.wheels import build_wheel, pip_install
+from tests.test_settings import dsl_declared_settings
 
 pytestmark = needs_cute
 
@@ -74,6 +75,52 @@ if sys.argv[1:] != ["--query-gpu=name,compute_cap", "--format=csv,noheader"]:
     sys.exit(f"unexpected arguments: {sys.argv[1:]}")
 sys.stdout.write((pathlib.Path(__file__).parent / "gpus.csv").read_text())
 """
+# The kernel module's project-local helpers beside it: its tile sizes come through a chain of
+# modules three deep, and it imports a package with an __init__ and relative imports, and a
+# tuning module that may or may not be there.
+TILE_SIZES = b"BM, BN, BK = 64, 64, 16\n"
+HELPER_IMPORTS = b"""\
+from gemm_pkg import epilogue  # noqa: F401
+from gemm_tiles import BK, BM, BN
+
+try:
+    import gemm_tuned  # noqa: F401
+except ImportError:
+    gemm_tuned = None
+"""
+KERNEL_HELPERS = {
+    "gemm_tiles.py": "from gemm_tiles_k import BK\n\nBM, BN = 64, 64\n",
+    "gemm_tiles_k.py": "from gemm_defaults import K_TILE as BK  # noqa: F401\n",
+    "gemm_defaults.py": "K_TILE = 16\n",
+    "gemm_pkg/__init__.py": "from .layout import ROW_MAJOR  # noqa: F401\n",
+    "gemm_pkg/layout.py": "ROW_MAJOR = (1, 0)\n",
+    "gemm_pkg/epilogue.py": "from . import layout\n\nSTRIDE_ORDER = layout.ROW_MAJOR\n",
+}
+# Compile-affecting settings of each toolchain: every CuTe-DSL one (the DSL's own list, see
+# test_cute_dsl_switches_are_the_dsls_list), each with a value other than its default, and
+# one or two of the others'. A setting changes the stamp; a CuTe-DSL one the CuTe key too.
+CUTE_DSL_SWITCHES = {
+    "CUTE_DSL_DEBUG": "1",
+    "CUTE_DSL_LINEINFO": "1",
+    "CUTE_DSL_ENABLE_PYIR": "1",
+    "CUTE_DSL_AUTO_M2S": "1",
+    "CUTE_DSL_TOLERATE_M2M": "0",
+    "CUTE_DSL_DRYRUN": "1",
+    "CUTE_DSL_WARNINGS_AS_ERRORS": "1",
+    "CUTE_DSL_COMPILER_OPT": "remarks{ptx}",
+    "CUTE_DSL_COMPILER_BACKEND": "mlir",
+    "CUTE_DSL_ENABLE_ASSERTIONS": "1",
+    "CUTE_DSL_ENABLE_TVM_FFI": "1",
+    "CUTE_DSL_LOC_TRACEBACKS": "2",
+    "CUTE_DSL_USE_EXTENSION_COMPILER": "1",
+}
+OTHER_SWITCHES = {
+    "TRITON_DISABLE_LINE_INFO": "1",
+    "TRITON_DEFAULT_FP_FUSION": "0",
+    "TORCHINDUCTOR_USE_FAST_MATH": "1",
+    "FLASHINFER_JIT_LINEINFO": "1",
+    "B12X_PAGED_KV_TMA": "1",
+}
 UNSHARE, SH = shutil.which("unshare"), shutil.which("sh") or "/bin/sh"
 SHELL_BUILTINS = {"umask"}
 
@@ -188,10 +235,19 @@ def app_library(parent: Path) -> Path:
 
 
 def kernels_dir(parent: Path, source: bytes) -> Path:
-    """A folder holding the kernel module, as a spec's folder holds its entry points."""
+    """A folder holding the kernel module and its helpers, as a spec's folder holds them."""
     folder = new_dir(parent, "kernels")
     (folder / f"{KERNEL_MODULE}.py").write_bytes(source)
+    for relative, text in KERNEL_HELPERS.items():
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / relative).write_text(text)
     return folder
+
+
+def with_helpers(source: bytes) -> bytes:
+    """The example GEMM with its tile sizes imported from the helpers instead."""
+    assert source.count(TILE_SIZES) == 1, "the example's tile sizes moved"
+    return source.replace(TILE_SIZES, HELPER_IMPORTS)
 
 
 def baseline_wheels(out_dir: Path) -> dict[str, Path]:
@@ -266,7 +322,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     root = tmp_path_factory.mktemp("matrix")
     wheels = baseline_wheels(root / "wheels")
     site = pip_install(root / "site", wheels.values())
-    kernels = kernels_dir(root, (EXAMPLES / f"{KERNEL_MODULE}.py").read_bytes())
+    kernels = kernels_dir(root, with_helpers((EXAMPLES / f"{KERNEL_MODULE}.py").read_bytes()))
     # Only directories of the test's own on PATH, so that a host's real nvidia-smi never answers.
     path = [nvidia_smi(root, [H200]), new_dir(root, "bin-a"), new_dir(root, "bin-b")]
     env = {
@@ -301,12 +357,13 @@ class Hit:
 
 
 def configmap_kernels(world: World, tmp: Path) -> Run:
-    """The kernel source mounted from a ConfigMap: reached through two levels of symlinks."""
+    """The kernel sources mounted from a ConfigMap: reached through two levels of symlinks."""
     mount = new_dir(tmp, "configmap")
-    revision = new_dir(mount, "..2025_01_01_00_00_00.000000001")
-    shutil.copy(world.kernels / f"{KERNEL_MODULE}.py", revision)
+    revision = mount / "..2025_01_01_00_00_00.000000001"
+    shutil.copytree(world.kernels, revision)
     (mount / "..data").symlink_to(revision.name)
-    (mount / f"{KERNEL_MODULE}.py").symlink_to(f"..data/{KERNEL_MODULE}.py")
+    for entry in world.kernels.iterdir():
+        (mount / entry.name).symlink_to(f"..data/{entry.name}")
     return world.base.with_env(PYTHONPATH=search_path(world.site, mount))
 
 
@@ -350,6 +407,18 @@ def reinstalled_same_bytes(world: World, tmp: Path) -> Run:
     for name, wheel in wheels.items():
         assert wheel.read_bytes() == world.wheels[name].read_bytes(), name
     return world.installing(tmp, wheels)
+
+
+def kernels_copy(world: World, tmp: Path, change: Callable[[Path], None]) -> Run:
+    """The baseline with a changed copy of the kernels' folder."""
+    kernels = shutil.copytree(world.kernels, tmp / "kernels")
+    change(kernels)
+    return world.base.with_env(PYTHONPATH=search_path(world.site, kernels))
+
+
+def added_file(world: World, tmp: Path) -> Run:
+    """A module beside the kernels that nothing imports."""
+    return kernels_copy(world, tmp, lambda k: (k / "gemm_notes.py").write_text("X = 1\n"))
 
 
 def touched_in_the_future(world: World, tmp: Path) -> Run:
@@ -497,6 +566,24 @@ HITS = [
     Hit("umask", "umask", lambda w, t: wrapped(w.base, [], ["umask", "077"])),
     Hit("pythonhashseed", "hash", lambda w, t: w.base.with_env(PYTHONHASHSEED="4242")),
     Hit("stdin-tty", "stdin_tty", lambda w, t: replace(w.base, tty_stdin=True)),
+    Hit("module-beside-kernels-not-imported", "kernel_file", lambda w, t: added_file(w, t)),
+    Hit(
+        "toolchain-settings-that-do-not-compile",
+        "environ",
+        lambda w, t: w.base.with_env(
+            TRITON_CACHE_AUTOTUNING="1",
+            TRITON_PRINT_AUTOTUNING="1",
+            TRITON_LIBDEVICE_PATH=str(t / "libdevice.10.bc"),
+            TORCHINDUCTOR_COMPILE_THREADS="1",
+            TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+            FLASHINFER_LOGLEVEL="3",
+            FLASHINFER_CUDA_ARCH_LIST="9.0a",
+            FLASHINFER_JIT_BUILD_LOG=str(t / "build.jsonl"),
+            B12X_TIMING="1",
+            B12X_COMPILE_CACHE_DIR=str(new_dir(t, "b12x")),
+            CUTE_DSL_KEEP="ptx",
+        ),
+    ),
 ]
 
 
@@ -584,6 +671,20 @@ def kernel_source_byte(world: World, tmp: Path) -> Run:
     return world.base.with_env(PYTHONPATH=search_path(world.site, kernels))
 
 
+def retuned(relative: str, text: str = "# retuned\n") -> Perturb:
+    """A helper beside the kernel module changed (or, absent before, added)."""
+
+    def change(kernels: Path) -> None:
+        path = kernels / relative
+        path.write_text((path.read_text() if path.exists() else "") + text)
+
+    return lambda w, t: kernels_copy(w, t, change)
+
+
+def setting(name: str, value: str) -> Perturb:
+    return lambda w, t: w.base.with_env(**{name: value})
+
+
 def gpus(*rows: str, **env: str) -> Perturb:
     return lambda w, t: w.base.with_env(PATH=w.path_with_smi(nvidia_smi(t, list(rows))), **env)
 
@@ -666,6 +767,44 @@ MISSES = [
         {"settings"},
         measured=False,
     ),
+    miss("helper-1-deep", retuned("gemm_tiles.py"), {"source/gemm_tiles"}, {"source"}),
+    miss("helper-2-deep", retuned("gemm_tiles_k.py"), {"source/gemm_tiles_k"}, {"source"}),
+    miss("helper-3-deep", retuned("gemm_defaults.py"), {"source/gemm_defaults"}, {"source"}),
+    miss("helper-package-init", retuned("gemm_pkg/__init__.py"), {"source/gemm_pkg"}, {"source"}),
+    miss(
+        "helper-package-relative-import",
+        retuned("gemm_pkg/layout.py"),
+        {"source/gemm_pkg.layout"},
+        {"source"},
+    ),
+    miss(
+        "helper-submodule-from-import",
+        retuned("gemm_pkg/epilogue.py"),
+        {"source/gemm_pkg.epilogue"},
+        {"source"},
+    ),
+    miss(
+        "helper-optional-module-appears",
+        retuned("gemm_tuned.py", "BM = 128\n"),
+        {"source/gemm_tuned"},
+        {"source"},
+    ),
+    *(
+        miss(f"setting-{name}", setting(name, value), {f"setting/{name}"}, {"settings"})
+        for name, value in CUTE_DSL_SWITCHES.items()
+    ),
+    *(
+        miss(f"setting-{name}", setting(name, value), {f"setting/{name}"})
+        for name, value in OTHER_SWITCHES.items()
+    ),
+    # Read only by Triton's C++ core: a build asks Triton for it, a check cannot (it would
+    # import Triton), and Triton keys its own cache on it, so serving compiles, never loads.
+    miss(
+        "setting-triton-core-only",
+        setting("DISABLE_MMA_V3", "1"),
+        {"setting/DISABLE_MMA_V3"},
+        measured=False,
+    ),
     miss("model", serving(model="example/llama-3-70b"), {"extra/model"}, measured=False),
     miss(
         "engine-image",
@@ -703,3 +842,10 @@ def test_matrix_has_the_required_size() -> None:
     assert len({case.id for case in HITS}) == len(HITS) >= 20
     assert len({case.id for case in MISSES}) == len(MISSES) >= 15
     assert {f"version-{name}" for name in DEFAULT_DISTRIBUTIONS} <= {case.id for case in MISSES}
+
+
+def test_cute_dsl_switches_are_the_dsls_list() -> None:
+    """Each setting the installed DSL marks as affecting compile has its case, ARCH aside (the
+    arch case): a setting a new DSL adds fails here until it has one."""
+    declared = {name for name, marked in dsl_declared_settings().items() if marked}
+    assert set(CUTE_DSL_SWITCHES) == declared - {"CUTE_DSL_ARCH"}

@@ -64,10 +64,9 @@ def test_a_dsl_setting_that_changes_the_code_is_a_new_generation(tmp_path):
     assert "setting/CUTE_DSL_LINEINFO" in one_line_error(checked)
 
 
-@needs_cute
-def test_the_cute_dsl_list_is_what_the_dsl_keys_its_own_cache_on():
-    """Every ``CUTE_DSL_*`` variable the DSL's settings manager marks ``affects_compile``, as
-    the DSL itself reports it when imported, and none that it does not mark."""
+def dsl_declared_settings() -> dict[str, bool]:
+    """``CUTE_DSL_<X>`` -> whether it affects compile, as the imported DSL's settings manager
+    says (each setting read from a variable; computed ones have none)."""
     probe = (
         "import json; from cutlass.cutlass_dsl.cutlass import CuTeDSLEnvironmentManager as M\n"
         "print(json.dumps({e.source: e.affects_compile for e in M._ENV_VAR_SPEC"
@@ -77,7 +76,14 @@ def test_the_cute_dsl_list_is_what_the_dsl_keys_its_own_cache_on():
         [sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    declared = {f"CUTE_DSL_{suffix}": marked for suffix, marked in json.loads(proc.stdout).items()}
+    return {f"CUTE_DSL_{suffix}": marked for suffix, marked in json.loads(proc.stdout).items()}
+
+
+@needs_cute
+def test_the_cute_dsl_list_is_what_the_dsl_keys_its_own_cache_on():
+    """Every ``CUTE_DSL_*`` variable the DSL's settings manager marks ``affects_compile``, as
+    the DSL itself reports it when imported, and none that it does not mark."""
+    declared = dsl_declared_settings()
     found = settings_of(**dict.fromkeys(declared, "1"))
     assert found == {n for n, marked in declared.items() if marked} - {"CUTE_DSL_ARCH"}
     assert {"CUTE_DSL_LINEINFO", "CUTE_DSL_DEBUG", "CUTE_DSL_COMPILER_OPT"} <= found

@@ -7,8 +7,8 @@ dtype, alignment, compile options and the warmer's ``env``) and ``extra`` (model
 image). Prints one JSON object:
 
 - ``stamp``: the environment stamp (``kernelcache.stamp.collect``), with the entry point's
-  module and the project-local modules it imports as ``source/`` factors, as a build records
-  them;
+  module and the project-local modules it imports as ``source/`` factors and the toolchain
+  settings as ``setting/`` factors, as a build records them;
 - ``cute``: the CuTe-DSL disk-layer key factors and digest of each GEMM shape, for the
   arguments ``examples/cute_gemm.py``'s ``specializations`` builds (with the declared dtype
   and alignment); nothing is compiled;
@@ -106,10 +106,14 @@ def observed(kernel_module: str, declared: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     declared = json.loads(sys.argv[1])
     warmup = declared["workload"]
-    os.environ.update(warmup["env"])  # as the warmer does, before the DSL is imported
     locale.setlocale(locale.LC_ALL, "")  # as a serving process would: the locale takes effect
     module = warmup["entryPoint"].partition(":")[0]
-    stamp = collect(sources=module_sources(module), workload=warmup, extra=declared["extra"])
+    # As a build: the stamp of the process's own environment (Triton asked for its settings),
+    # then the warmer's env set for the warm, before the DSL is imported.
+    stamp = collect(
+        sources=module_sources(module), workload=warmup, extra=declared["extra"], ask_triton=True
+    )
+    os.environ.update(warmup["env"])
     report = {
         "stamp": stamp.to_dict(),
         "cute": cute_keys(warmup),
