@@ -16,7 +16,9 @@ that differ from a baseline in one respect (``tests/helpers/key_worker.py`` comp
 
 Packages are real wheels installed by pip into a site directory put first on PYTHONPATH; each
 one's metadata shadows the installed distribution of the same name, while the real modules
-(the DSL among them) still import. GPUs are an nvidia-smi stand-in on PATH (the only test
+(the DSL among them) still import. A case that changes one wheel installs only that one, into
+a site directory before the baseline's; a case about the install itself installs all. The
+kernel module sits in a folder with its helpers, as in a spec's folder. GPUs are an nvidia-smi stand-in on PATH (the only test
 double here: no GPU is needed). Hostname, PID, clock and mount-point perturbations use Linux
 namespaces (``unshare``) and are skipped, saying why, where those cannot be created.
 """
@@ -304,6 +306,12 @@ class World:
             compile_bytecode=compile_bytecode,
         )
         return self.base.with_env(PYTHONPATH=search_path(site, self.kernels))
+
+    def overlaying(self, tmp: Path, changes: Mapping[str, Path]) -> Run:
+        """The baseline with only the changed wheels installed, in a site directory before the
+        baseline's: the first distribution of a name on the path is the one Python reports."""
+        site = pip_install(tmp / "overlay", changes.values())
+        return self.base.with_env(PYTHONPATH=search_path(site, self.site, self.kernels))
 
 
 def publish(store_root: Path, stamp: dict[str, Any]) -> Path:
@@ -633,7 +641,7 @@ class Miss:
 
 def bumped(name: str, version: str = BUMPED_VERSION) -> Perturb:
     def perturb(world: World, tmp: Path) -> Run:
-        return world.installing(tmp, {name: build_wheel(tmp / "wheels", name, version)})
+        return world.overlaying(tmp, {name: build_wheel(tmp / "wheels", name, version)})
 
     return perturb
 
@@ -641,7 +649,7 @@ def bumped(name: str, version: str = BUMPED_VERSION) -> Perturb:
 def rebuilt_same_version(world: World, tmp: Path) -> Run:
     """nvidia-cutlass-dsl rebuilt: one byte of a module differs, the version does not."""
     wheel = build_wheel(tmp / "wheels", "nvidia-cutlass-dsl", BASE_VERSION, build="2")
-    return world.installing(tmp, {"nvidia-cutlass-dsl": wheel})
+    return world.overlaying(tmp, {"nvidia-cutlass-dsl": wheel})
 
 
 def libs_variant_cu12(world: World, tmp: Path) -> Run:
