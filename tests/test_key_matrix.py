@@ -18,9 +18,10 @@ Packages are real wheels installed by pip into a site directory put first on PYT
 one's metadata shadows the installed distribution of the same name, while the real modules
 (the DSL among them) still import. A case that changes one wheel installs only that one, into
 a site directory before the baseline's; a case about the install itself installs all. The
-kernel module sits in a folder with its helpers, as in a spec's folder. GPUs are an nvidia-smi stand-in on PATH (the only test
-double here: no GPU is needed). Hostname, PID, clock and mount-point perturbations use Linux
-namespaces (``unshare``) and are skipped, saying why, where those cannot be created.
+kernel module sits in a folder with its helpers, as in a spec's folder. GPUs are an
+nvidia-smi stand-in on PATH (the only test double here: no GPU is needed). Hostname, PID,
+clock and mount-point perturbations use Linux namespaces (``unshare``) and are skipped,
+saying why, where those cannot be created.
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kernelcache.errors import ExitCode
+from kernelcache import stamp as stamps
+from kernelcache.errors import ExitCode, StampMismatchError, WarmError
 from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.stamp import file_digest
 from kernelcache.store import Store
+from kernelcache.warm import entry_point_sources
 from tests.conftest import EXAMPLES, needs_cute, one_line_error, subprocess_env
 from tests.conftest import run_kernelcache as kernelcache
 from tests.helpers.wheels import build_wheel, pip_install
@@ -203,7 +205,16 @@ def test_standard_and_installed_modules_end_the_walk_but_unrecorded_files_do_not
         sys.path.remove(str(site))
 
 
-def test_a_module_that_cannot_be_read_fails_naming_it(tree, monkeypatch):
+def test_a_module_that_does_not_parse_fails_naming_it(tree):
+    tree({"kc_kern.py": "import kc_helper\n", "kc_helper.py": "def (:\n"})
+    with pytest.raises(SourceError, match=r"^source/kc_helper: .*kc_helper\.py does not parse"):
+        module_sources("kc_kern")
+
+
+@pytest.fixture
+def unreadable_helper(tree, monkeypatch):
+    """``kc_kern`` imports ``kc_helper``, whose file every open refuses (as for a non-root
+    serving user and a mode-000 file): the fault injected where the file is read."""
     root = tree({"kc_kern.py": "import kc_helper\n", "kc_helper.py": "X = 1\n"})
     real_open = builtins.open
 
@@ -213,11 +224,32 @@ def test_a_module_that_cannot_be_read_fails_naming_it(tree, monkeypatch):
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", refusing)
+    return root
+
+
+def test_a_module_that_cannot_be_read_fails_naming_it(unreadable_helper):
     with pytest.raises(SourceError, match=r"^source/kc_helper: cannot read .*kc_helper\.py"):
         module_sources("kc_kern")
 
 
-def test_a_module_that_does_not_parse_fails_naming_it(tree):
-    tree({"kc_kern.py": "import kc_helper\n", "kc_helper.py": "def (:\n"})
-    with pytest.raises(SourceError, match=r"^source/kc_helper: .*kc_helper\.py does not parse"):
-        module_sources("kc_kern")
+def test_a_warm_whose_kernels_import_an_unreadable_module_fails_naming_it(unreadable_helper):
+    with pytest.raises(WarmError, match=r"cute-dsl warmer: cannot key the kernels: source/kc_help"):
+        entry_point_sources("cute-dsl", ["kc_kern:warm"], None)
+
+
+def test_a_check_whose_kernels_import_an_unreadable_module_is_a_mismatch(unreadable_helper):
+    recorded = stamps.collect(arch="sm_90a", distributions=[], sources={"kc_kern": "blake3:0"})
+    with pytest.raises(StampMismatchError, match=r"^source/kc_helper: cannot read"):
+        stamps.environment_stamp(recorded)
+
+
+@needs_cute
+def test_the_disk_layer_does_not_key_a_kernel_without_a_module_it_imports(unreadable_helper):
+    from kernelcache.runtime import cute
+
+    (unreadable_helper / "kc_kern.py").write_text("import kc_helper\ndef kernel():\n    pass\n")
+    import kc_kern
+
+    with pytest.raises(cute.UncacheableError, match="source/kc_helper: cannot read"):
+        cute.key_factors(kc_kern.kernel, (), {}, None)
+    sys.modules.pop("kc_kern", None)
