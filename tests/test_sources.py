@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +254,11 @@ def test_the_disk_layer_does_not_key_a_kernel_without_a_module_it_imports(unread
     with pytest.raises(cute.UncacheableError, match="source/kc_helper: cannot read"):
         cute.key_factors(kc_kern.kernel, (), {}, None)
     sys.modules.pop("kc_kern", None)
+
+
+def test_a_module_without_its_source_fails_naming_it(tree):
+    root = tree({"kc_kern.py": "import kc_compiled\n", "kc_compiled.py": "X = 1\n"})
+    py_compile.compile(str(root / "kc_compiled.py"), cfile=str(root / "kc_compiled.pyc"))
+    (root / "kc_compiled.py").unlink()
+    with pytest.raises(SourceError, match=r"^source/kc_compiled: .*kc_compiled\.pyc is bytecode"):
+        module_sources("kc_kern")

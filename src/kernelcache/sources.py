@@ -98,6 +98,11 @@ def _read(name: str, spec: ModuleSpec) -> tuple[str, list[tuple[str, bool]]]:
             "that import it cannot be keyed"
         ) from None
     digest = "blake3:" + blake3.blake3(data).hexdigest()
+    if path.endswith(tuple(importlib.machinery.BYTECODE_SUFFIXES)):
+        raise SourceError(
+            f"source/{name}: {path} is bytecode without its source; the modules it imports "
+            "cannot be read"
+        )
     if not path.endswith(".py"):
         return digest, []  # an extension module: its bytes, and no imports to read
     try:
