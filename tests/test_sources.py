@@ -262,3 +262,16 @@ def test_a_module_without_its_source_fails_naming_it(tree):
     (root / "kc_compiled.py").unlink()
     with pytest.raises(SourceError, match=r"^source/kc_compiled: .*kc_compiled\.pyc is bytecode"):
         module_sources("kc_kern")
+
+
+def test_namespace_packages_are_walked_without_importing_their_parents(tree):
+    """Folders without an ``__init__`` (namespace packages), one inside another: found by hand,
+    where the import system would need the parent imported first."""
+    root = tree(
+        {"kc_ns/inner/kern.py": "from kc_ns.inner import tiles\n", "kc_ns/inner/tiles.py": ""}
+    )
+    assert module_sources("kc_ns.inner.kern") == {
+        "kc_ns.inner.kern": file_digest(root / "kc_ns/inner/kern.py"),
+        "kc_ns.inner.tiles": file_digest(root / "kc_ns/inner/tiles.py"),
+    }
+    assert "kc_ns" not in sys.modules

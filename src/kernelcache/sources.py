@@ -32,6 +32,7 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 
 import blake3
 
@@ -68,12 +69,14 @@ def _walk(found: dict[str, str], pending: list[tuple[str, bool]]) -> dict[str, s
         name, required = pending.pop()
         if name in found or name.partition(".")[0] in sys.stdlib_module_names:
             continue
+        if _in_installed_package(name):
+            continue  # not even its submodules are looked for: they are the distribution's
         try:
             spec = find_spec_without_import(name)
         except (ImportError, ValueError):
             spec = None
         if spec is None:
-            if required and not _in_installed_package(name):
+            if required:
                 found[name] = ABSENT  # were it there, it would be imported: a factor
                 pending.extend((parent, True) for parent in _parents(name))
             continue
@@ -170,19 +173,27 @@ def find_spec_without_import(module_name: str) -> ModuleSpec | None:
     for depth in range(2, len(parts) + 1):
         if spec is None or spec.submodule_search_locations is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(
-            ".".join(parts[:depth]), list(spec.submodule_search_locations)
-        )
+        name, locations = ".".join(parts[:depth]), list(spec.submodule_search_locations)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, locations)
+        except KeyError:  # a namespace package whose parent is not imported: found by hand
+            portions = [str(Path(p) / parts[depth - 1]) for p in locations]
+            spec = ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = [p for p in portions if os.path.isdir(p)]
     return spec
 
 
 def _in_installed_package(name: str) -> bool:
+    """Whether ``name`` is a submodule of an installed package (not of a namespace package,
+    whose portions may come from anywhere)."""
     top = name.partition(".")[0]
+    if top == name:
+        return False
     try:
-        spec = importlib.util.find_spec(top) if top != name else None
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
-    return spec is not None and spec.origin is not None and _installed(spec.origin)
+    return spec is not None and _installed(spec.origin)
 
 
 def _installed(path: str | None) -> bool:
