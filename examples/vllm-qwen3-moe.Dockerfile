@@ -6,12 +6,11 @@
 #   docker build -f examples/vllm-qwen3-moe.Dockerfile -t registry.example.com/vllm-kc:0.26.0 .
 FROM vllm/vllm-openai:v0.26.0
 
-COPY pyproject.toml README.md /tmp/kernelcache/
+COPY pyproject.toml setup.py README.md /tmp/kernelcache/
 COPY src /tmp/kernelcache/src
 # The .pth hook runs kernelcache.runtime.autoinstall() at every interpreter start when
 # KERNELCACHE_RUNTIME=1 (the webhook sets it): vLLM's engine-core process gets it too.
-RUN pip install --no-cache-dir --disable-pip-version-check /tmp/kernelcache \
-    && cp /tmp/kernelcache/src/kernelcache_runtime.pth "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/" \
+RUN pip install --no-cache-dir --disable-pip-version-check "/tmp/kernelcache[runtime]" \
     && rm -rf /tmp/kernelcache
 
 # The weights at the path the KernelCache declares (workload.model): vLLM's cache names it.

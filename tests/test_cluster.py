@@ -218,11 +218,13 @@ def test_the_built_wheel_installs_the_start_up_hook(images: dict[str, Image]) ->
     """The examples image installed kernelcache from its wheel, not editable: the hook lands in
     its site-packages and KERNELCACHE_RUNTIME=1 installs the runtime at interpreter start."""
     image = images["ghcr.io/kernelcache/examples:0.1.0"]
-    hook = image.site_packages / "kernelcache_runtime.pth"
-    assert hook.read_text() == (REPO / "src" / "kernelcache_runtime.pth").read_text()
+    hook = image.site_packages / "zz_kernelcache_runtime.pth"
+    assert hook.read_text() == (REPO / "src" / "zz_kernelcache_runtime.pth").read_text()
     record = next(image.site_packages.glob("kernelcache-*.dist-info")) / "RECORD"
-    assert "kernelcache_runtime.pth," in record.read_text()
+    assert "zz_kernelcache_runtime.pth," in record.read_text()
     assert not list(image.site_packages.glob("__editable__*kernelcache*"))
+    # site runs .pth files in name order; the hook must see what the others add to sys.path.
+    assert sorted(image.site_packages.glob("*.pth"))[-1] == hook
     probe = "import sys; print('kernelcache.runtime' in sys.modules)"
     python = str(image.venv / "bin" / "python")
     env = {"PATH": "/usr/bin:/bin", "KERNELCACHE_RUNTIME": "1"}

@@ -35,7 +35,7 @@ from tests.conftest import EXAMPLES, REPO, needs_cute, subprocess_env, wait_unti
 from tests.test_build import SMALL_WORKLOAD, kernelcache, write_spec
 
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
-PTH = REPO / "src" / "kernelcache_runtime.pth"
+PTH = REPO / "src" / "zz_kernelcache_runtime.pth"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -1,6 +1,6 @@
 """The serving side: use a materialized generation, and observe every compile that still happens.
 
-``install()`` (or ``KERNELCACHE_RUNTIME=1`` with the ``kernelcache_runtime.pth`` hook, which
+``install()`` (or ``KERNELCACHE_RUNTIME=1`` with the ``zz_kernelcache_runtime.pth`` hook, which
 calls it at interpreter start, so that engines need no code change; the hook belongs in the
 site-packages that holds kernelcache and its dependencies) reads one ``RuntimeConfig`` from
 the environment and then:
