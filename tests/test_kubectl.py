@@ -26,11 +26,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 from kernelcache.operator.manifests import LABEL_ARCH, peering_crds  # noqa: E402
+from kernelcache.operator.kube import kernelcache_path  # noqa: E402
 from tests.test_operator_integration import (  # noqa: E402
     EXAMPLE,
+    NS,
     Cluster,
     emulated_cluster,
     operator,
+    result_message,
     wait_until,
 )
 
@@ -82,13 +85,37 @@ def test_kubectl_apply_then_get_shows_the_printer_columns(
 
         for args in (["get", "kc"], ["get", "kernelcaches", "-o", "wide"], ["get", "kc", "demo"]):
             rows = table(kubectl(tmp_path, *args))
-            assert rows[0] == ["NAME", "MODEL", "READY", "PHASE", "AGE"], args
+            assert rows[0] == ["NAME", "MODEL", "SERVING", "READY", "PHASE", "AGE"], args
             assert len(rows) == 2, rows
-            assert rows[1][:4] == ["demo", "example/elementwise-and-tiled", "0/2", "Pending"]
-            assert re.fullmatch(r"\d+s", rows[1][4]), rows
+            assert rows[1][:5] == ["demo", "example/elementwise-and-tiled", "0/2", "0/2", "Pending"]
+            assert re.fullmatch(r"\d+s", rows[1][5]), rows
 
         # The stored object round-trips: apply again changes nothing.
         out = kubectl(tmp_path, "apply", "--validate=false", "-f", str(EXAMPLE))
         assert out.strip() == "kernelcache.kernelcache.dev/demo unchanged"
         phase = kubectl(tmp_path, "get", "kc", "demo", "-o", "jsonpath={.status.phase}")
         assert phase == "Pending"
+
+
+def test_kubectl_get_during_a_change_shows_what_serves_beside_what_builds(
+    bare_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A spec change rebuilds every arch while the previous generations still serve."""
+    cluster = bare_cluster
+    kubectl(tmp_path, "apply", "--validate=false", "-f", str(CRD))
+    with operator(cluster):
+        kubectl(tmp_path, "apply", "--validate=false", "-f", str(EXAMPLE))
+        for arch in ("sm_90a", "sm_120a"):
+            cluster.finish(cluster.run("demo", arch), message=result_message(arch, f"g-{arch}"))
+        wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+        cluster.kube.patch(
+            kernelcache_path(NS, "demo"),
+            {"spec": {"engine": {"image": "ghcr.io/kernelcache/examples:0.2.0"}}},
+        )
+        wait_until(lambda: cluster.status("demo").get("observedGeneration") == 2, what="gen 2")
+        rows = table(kubectl(tmp_path, "get", "kc", "demo"))
+        assert rows[1][:5] == ["demo", "example/elementwise-and-tiled", "2/2", "0/2", "Pending"]
+        served = kubectl(
+            tmp_path, "get", "kc", "demo", "-o", "jsonpath={.status.arches[*].generation}"
+        )
+        assert served.split() == ["g-sm_120a", "g-sm_90a"]

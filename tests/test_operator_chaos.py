@@ -257,7 +257,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path
         api.emulator.before, api.emulator.after = switch.before, switch.after
         for round_ in range(KILLS):
             body = kernelcache_doc(f"kc-{round_:02d}", NS, ARCHES)
-            api.kube.request("POST", kernelcache_path(NS), body=body)
+            body = api.kube.request("POST", kernelcache_path(NS), body=body)  # with its uid
             caches[body["metadata"]["name"]] = expected(SEED, body, MAX_ATTEMPTS)
             finish_some(api.kube, rng, SEED, share=0.3)
             # A new KernelCache alone makes 7 such writes: finalizer, claim, ConfigMap, two
@@ -359,7 +359,7 @@ def test_500_kernelcaches_with_random_job_outcomes_end_in_the_right_phase(tmp_pa
             rng = random.Random(SEED)
             for i in range(CACHES):
                 body = kernelcache_doc(f"kc-{i:03d}", NS, ARCHES[: rng.randint(1, len(ARCHES))])
-                api.kube.request("POST", kernelcache_path(NS), body=body)
+                body = api.kube.request("POST", kernelcache_path(NS), body=body)
                 caches[body["metadata"]["name"]] = expected(SEED, body, SCALE_ATTEMPTS)
             wait_until(
                 lambda: controller.errors or all_settled(api.kube, CACHES),

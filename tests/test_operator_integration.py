@@ -45,7 +45,12 @@ import yaml  # noqa: E402
 
 from kernelcache.operator import metrics  # noqa: E402
 from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
-from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, peering_crds  # noqa: E402
+from kernelcache.operator.manifests import (  # noqa: E402
+    LABEL_ARCH,
+    LABEL_ATTEMPT,
+    LABEL_CACHE_UID,
+    peering_crds,
+)
 from kernelcache.spec import crd_manifest  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
@@ -481,3 +486,78 @@ def _get(url: str) -> str | None:
             return str(response.read().decode())
     except OSError:
         return None
+
+
+def _new_job(cluster: Cluster, arch: str, seen: set[str]) -> dict[str, Any]:
+    """Wait for a compile Job of ``arch`` whose name is not in ``seen``; add it there."""
+    fresh = wait_until(
+        lambda: [
+            j for j in cluster.jobs(**{LABEL_ARCH: arch}) if j["metadata"]["name"] not in seen
+        ],
+        what=f"a new Job for {arch}",
+    )
+    (job,) = fresh
+    seen.add(job["metadata"]["name"])
+    return job
+
+
+def test_a_reverted_spec_runs_a_job_that_makes_its_generation_current_again(
+    cluster: Cluster,
+) -> None:
+    """Spec A publishes, B publishes, back to A: A's finished Jobs (kept for their TTL) do not
+    stand for the revert, because the store's CURRENT names B's generation by then."""
+    image_a, image_b = "ghcr.io/kernelcache/examples:0.1.0", "ghcr.io/kernelcache/examples:0.2.0"
+    seen: set[str] = set()
+    with operator(cluster):
+        cluster.apply(example(name="demo", gpuClasses=[example()["spec"]["gpuClasses"][0]]))
+        arch = cluster.get("demo")["spec"]["gpuClasses"][0]["arch"]
+        cluster.finish(_new_job(cluster, arch, seen), message=result_message(arch, "gen-a"))
+        wait_until(lambda: cluster.arch("demo", arch).get("generation") == "gen-a", what="A")
+        for image, published in ((image_b, "gen-b"), (image_a, None)):
+            cluster.kube.patch(kernelcache_path(NS, "demo"), {"spec": {"engine": {"image": image}}})
+            job = _new_job(cluster, arch, seen)
+            assert job["spec"]["template"]["spec"]["containers"][0]["image"] == image
+            if published:
+                cluster.finish(job, message=result_message(arch, published))
+                wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="B")
+        # Reverted to A: until the new Job runs, B's generation is what serves, and status says so.
+        wait_until(lambda: cluster.status("demo").get("observedGeneration") == 3, what="gen 3")
+        time.sleep(1.5)  # a few resyncs: A's old result is not read back
+        reverted = cluster.arch("demo", arch)
+        assert (reverted["phase"], reverted["generation"]) == ("Pending", "gen-b"), reverted
+        assert cluster.status("demo")["servingArches"] == "1/1"
+    # An operator restart before the revert's Job ends creates it no second time.
+    with operator(cluster, instance="replica-restarted"):
+        time.sleep(1.5)
+        assert len(cluster.jobs()) == 3
+        cluster.finish(job, message=result_message(arch, "gen-a"))
+        ready = cluster.arch_when("demo", arch, lambda a: a["phase"] == "Ready")
+        assert ready["generation"] == "gen-a"
+
+
+def test_a_re_created_kernelcache_mounts_a_spec_configmap_of_its_own(cluster: Cluster) -> None:
+    """Deleted and re-created under the same name before garbage collection: the namesake's
+    children (owned by the deleted object, about to be collected) are not reused."""
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: len(cluster.jobs()) == 2, what="Jobs")
+        old_uid = cluster.get("demo")["metadata"]["uid"]
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        # No garbage collector runs here: the old ConfigMap is still there, as it is on a
+        # cluster until the collector gets to it.
+        assert cluster.kube.list(path("v1", "configmaps", NS))
+        cluster.apply(example())
+        uid = cluster.get("demo")["metadata"]["uid"]
+        assert uid != old_uid
+        jobs = wait_until(
+            lambda: len(found := cluster.jobs(**{LABEL_CACHE_UID: uid})) == 2 and found,
+            what="the new KernelCache's Jobs",
+        )
+        for job in jobs:
+            assert job["metadata"]["ownerReferences"][0]["uid"] == uid
+            volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+            mounted = cluster.kube.get(
+                path("v1", "configmaps", NS, volumes["spec"]["configMap"]["name"])
+            )
+            assert [o["uid"] for o in mounted["metadata"]["ownerReferences"]] == [uid]

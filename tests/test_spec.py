@@ -344,6 +344,7 @@ def test_crd_identity():
     columns = {c["name"]: (c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]}
     assert columns == {
         "Model": ("string", ".spec.model"),
+        "Serving": ("string", ".status.servingArches"),
         "Ready": ("string", ".status.readyArches"),
         "Phase": ("string", ".status.phase"),
         "Age": ("date", ".metadata.creationTimestamp"),

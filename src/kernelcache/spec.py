@@ -552,6 +552,10 @@ class KernelCacheStatus(BaseModel):
     phase: Literal["Pending", "Compiling", "Ready", "Failed", "Degraded"] | None = None
     observed_generation: int | None = None
     ready_arches: str | None = Field(default=None, description="Ready arches out of all, e.g. 2/3.")
+    serving_arches: str | None = Field(
+        default=None,
+        description="Arches whose store names a generation pods load now, out of all, e.g. 2/3.",
+    )
     arches: list[ArchStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
 
@@ -780,6 +784,7 @@ def crd_manifest() -> dict[str, Any]:
     root["required"] = ["spec"]
     columns = [
         ("Model", "string", ".spec.model"),
+        ("Serving", "string", ".status.servingArches"),
         ("Ready", "string", ".status.readyArches"),
         ("Phase", "string", ".status.phase"),
         ("Age", "date", ".metadata.creationTimestamp"),

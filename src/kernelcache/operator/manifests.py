@@ -14,6 +14,13 @@ Names are deterministic: a compile Job is named after the KernelCache, the arch,
 the KernelCache's identity and spec (which includes the engine image) and the attempt, so a
 repeated reconcile creates nothing twice (the API server answers 409), and a spec or image
 change yields new names, i.e. a new generation of Jobs.
+
+The identity in that digest is the object's, not only its name: its uid and its
+``metadata.generation`` (which the API server bumps on every spec change). So a KernelCache
+deleted and re-created under the same name never meets the children of its namesake (which
+the garbage collector is about to delete), and a spec reverted to an earlier one (A, B, A)
+runs Jobs of its own instead of reading A's finished ones again: the store's ``CURRENT`` names
+B's generation then, and only a Job can make A's current again.
 """
 
 from __future__ import annotations
@@ -50,10 +57,17 @@ _NAME_MAX = 63  # Job names become a pod label value, so they must fit one
 
 
 def spec_digest(kc: KernelCache) -> str:
-    """16 hex digits of sha256 over namespace, name and spec: stable, and new on any change."""
+    """16 hex digits of sha256 over namespace, name, uid, generation and spec.
+
+    Stable across reconciles and operator restarts of one spec revision; new on any spec
+    change, on a revert to an earlier spec, and for a re-created object of the same name.
+    """
+    server_set = kc.metadata.model_extra or {}
     identity = {
         "namespace": kc.metadata.namespace,
         "name": kc.metadata.name,
+        "uid": server_set.get("uid"),
+        "generation": server_set.get("generation"),
         "spec": kc.spec.model_dump(mode="json", by_alias=True),
     }
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))

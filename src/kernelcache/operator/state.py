@@ -4,7 +4,8 @@ Observed state comes in as plain dicts (Jobs and pods as the API server returns 
 previous status); decisions come out as plain dicts and small dataclasses. Nothing here
 talks to the API server or reads the clock, so every rule is a unit test away.
 
-Rules, per arch of the current spec (Jobs of an older spec digest are not looked at):
+Rules, per arch of the current spec (Jobs of an older spec digest are not looked at; the
+digest is new for every ``metadata.generation``, so a reverted spec's old Jobs are older):
 
 - No Job: create attempt 0 - unless the status already says Ready or Failed for this very
   KernelCache generation (its Jobs have expired after ``ttlSecondsAfterFinished``): a
@@ -33,7 +34,9 @@ JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
 
 # What an arch keeps from its last published result while a new build runs.
 PUBLISHED_FIELDS = ("generation", "stampDigest", "artifacts", "bytes", "compileSeconds")
-STATUS_KEYS = ("phase", "observedGeneration", "readyArches", "arches", "conditions")
+STATUS_KEYS = (
+    "phase", "observedGeneration", "readyArches", "servingArches", "arches", "conditions",
+)  # fmt: skip
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -283,9 +286,15 @@ def overall_phase(phases: list[str]) -> str:
 def summarize(
     plans: list[ArchPlan], generation: int | None, previous: dict[str, Any], now: datetime
 ) -> dict[str, Any]:
-    """The whole status: per-arch entries, phase, readyArches and the three conditions."""
+    """The whole status: per-arch entries, phase, ready and serving counts, three conditions.
+
+    ``readyArches`` counts the arches built for the current spec; ``servingArches`` those
+    whose store names a generation that pods load now (while a change builds, the previous
+    one still serves: ``0/2`` ready is not ``0/2`` serving).
+    """
     arches = [p.status for p in plans]
     ready = sum(a["phase"] == "Ready" for a in arches)
+    serving = sum(bool(a.get("generation")) for a in arches)
     failed = [a for a in arches if a["phase"] == "Failed"]
     busy = [a for a, p in zip(arches, plans, strict=True) if p.progressing]
     count = f"{ready}/{len(arches)} arches ready"
@@ -301,6 +310,7 @@ def summarize(
         "phase": overall_phase([a["phase"] for a in arches]),
         "observedGeneration": generation,
         "readyArches": f"{ready}/{len(arches)}",
+        "servingArches": f"{serving}/{len(arches)}",
         "arches": arches,
         "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
     }
@@ -319,6 +329,7 @@ def invalid_status(
         "phase": "Failed",
         "observedGeneration": generation,
         "readyArches": previous.get("readyArches"),
+        "servingArches": previous.get("servingArches"),
         "arches": previous.get("arches") or [],
         "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
     }
