@@ -50,6 +50,7 @@ import pytest
 import yaml
 
 from kernelcache.errors import ExitCode
+from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 from kernelcache.store import (
     FILES_DIR,
     MANIFEST_NAME,
@@ -170,7 +171,7 @@ def generations(tmp_path_factory: pytest.TempPathFactory) -> Generations:
     for generation in (1, 2):
         proc = run_kernelcache(
             "warm", "-f", str(write_spec(root, generation)), "--store", str(store.root),
-            "--arch", ARCH, "--signing-key", str(root / "keys" / "kernelcache-signing.key"),
+            "--arch", ARCH, "--signing-key", str(root / "keys" / SIGNING_KEY_FILE),
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         current = store.current(KEY)
@@ -181,7 +182,7 @@ def generations(tmp_path_factory: pytest.TempPathFactory) -> Generations:
         store=store.root,
         old=store.key_dir(KEY) / ids[0],
         new=store.key_dir(KEY) / ids[1],
-        public_key=root / "keys" / "kernelcache-signing.pub",
+        public_key=root / "keys" / PUBLIC_KEY_FILE,
     )
 
 

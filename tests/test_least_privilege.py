@@ -51,7 +51,7 @@ from kernelcache.operator.manifests import (
     spec_digest,
 )
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import kernelcache_doc, subprocess_env, wait_until
+from tests.conftest import kernelcache_doc, run_kernelcache, subprocess_env, wait_until
 from tests.operator_process import api_harness, finish_job
 from tests.test_chart import HELM, VALUES, _granted, render
 from tests.test_initcontainer import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
@@ -238,6 +238,69 @@ def test_compile_job_writes_only_the_store_and_scratch() -> None:
         "tmp": None,
     }
     assert_unprivileged(pod, container)
+
+
+def secret_volume(volume: dict[str, Any], data: dict[str, bytes], at: Path) -> Path:
+    """The kubelet's layout of a Secret volume: one file per key, or per projected item."""
+    items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+    for item in items:
+        assert item["key"] in data, f"Secret has no key {item['key']!r}: {sorted(data)}"
+        (at / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (at / item["path"]).write_bytes(data[item["key"]])
+    return at
+
+
+def test_a_secret_made_from_keygen_output_signs_in_the_job_and_verifies_in_the_pod(
+    tmp_path: Path,
+) -> None:
+    """``kernelcache keygen DIR``, then ``kubectl create secret generic --from-file`` of each
+    file it wrote (the Secret's keys are the file names): the compile Job finds its private
+    key, the pod gets the public key only, and the init-container verifies the signature."""
+    keygen = run_kernelcache("keygen", str(tmp_path / "keys"))
+    assert keygen.returncode == 0, keygen.stderr
+    data = {p.name: p.read_bytes() for p in (tmp_path / "keys").iterdir()}
+    body = kernelcache_body(**SIGNED)
+    kc = parse_kernelcache(body, "kc")
+
+    job = compile_job(
+        kc, arch=ARCH, digest=spec_digest(kc), attempt=0, owner=owner_reference(body), config=CONFIG
+    )
+    pod = job["spec"]["template"]["spec"]
+    (warm,) = pod["containers"]
+    mount = next(m for m in warm["volumeMounts"] if m["name"] == "signing")
+    volume = next(v for v in pod["volumes"] if v["name"] == "signing")
+    job_keys = secret_volume(volume, data, tmp_path / "job-signing")
+    key_arg = warm["command"][warm["command"].index("--signing-key") + 1]
+    private = job_keys / Path(key_arg).relative_to(mount["mountPath"])
+    assert private.is_file(), f"the Job's {key_arg} is not in the Secret: {sorted(data)}"
+    store = tmp_path / "store"
+    publish(store, signing_key=private)
+
+    spec = inject(serving_pod(), body)["spec"]
+    (init,) = spec["initContainers"]
+    mount = next(m for m in init["volumeMounts"] if m["name"] == webhook.KEY_VOLUME)
+    volume = next(v for v in spec["volumes"] if v["name"] == webhook.KEY_VOLUME)
+    pod_keys = secret_volume(volume, data, tmp_path / "pod-signing")
+    assert [p.name for p in pod_keys.iterdir()] == [webhook.PUBLIC_KEY_FILE]  # no private key
+    here = {
+        CONFIG.store_mount_path: str(store),
+        webhook.CACHE_DIR: str(tmp_path / "kernelcache"),
+        TERMINATION_LOG: str(tmp_path / "termination-log"),
+        mount["mountPath"]: str(pod_keys),
+    }
+    args = [next((a.replace(k, v, 1) for k, v in here.items() if a.startswith(k)), a)
+            for a in init["args"]]  # fmt: skip
+    assert "--require-signature" in args
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith(("KERNELCACHE_", "KUBE"))}
+    env.update(HOME=str(tmp_path), KERNELCACHE_ARCH=ARCH, KERNELCACHE_GPU_PRODUCT=PRODUCT)
+    (tmp_path / "kernelcache").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "verify", *args],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "verified" in done.stdout
+    assert f"--from-file={tmp_path / 'keys'}" in keygen.stdout  # it says how to make the Secret
 
 
 def test_cleanup_job_writes_only_the_store() -> None:

@@ -22,6 +22,7 @@ from kernelcache.errors import (
     SpecError,
     one_line,
 )
+from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 
 
 def _exit_codes_epilog() -> str:
@@ -317,6 +318,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
     private, public = generate_keypair(args.dir)
     print(f"private key: {private}\npublic key: {public}")
+    print(
+        "signing Secret: kubectl create secret generic NAME "
+        f"--from-file={private} --from-file={public}"
+    )
     return 0
 
 
@@ -489,8 +494,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
-    p = add("keygen", cmd_keygen, "write an ed25519 key pair for signing")
-    p.add_argument("dir", type=_path, help="directory for kernelcache.key and kernelcache.pub")
+    p = add(
+        "keygen",
+        cmd_keygen,
+        f"write an ed25519 key pair for signing ({SIGNING_KEY_FILE}, {PUBLIC_KEY_FILE}): the "
+        "key names of the signing Secret",
+    )
+    p.add_argument(
+        "dir", type=_path, help=f"directory for {SIGNING_KEY_FILE} and {PUBLIC_KEY_FILE}"
+    )
     return parser
 
 

@@ -438,6 +438,12 @@ class Retention(BaseModel):
     )
 
 
+# The key names of the signing Secret: what `kernelcache keygen` writes, the compile Job
+# mounts (the private key) and the webhook projects into serving pods (the public key only).
+SIGNING_KEY_FILE = "kernelcache.key"
+PUBLIC_KEY_FILE = "kernelcache.pub"
+
+
 class Signing(BaseModel):
     """Manifest signing; the key is read from a Secret."""
 

@@ -88,6 +88,7 @@ from kernelcache.errors import (
     StorageError,
     UnsafePathError,
 )
+from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -769,13 +770,17 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 
 
 def generate_keypair(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """Write a new ed25519 key pair as PEM files; existing files are never overwritten."""
+    """Write a new ed25519 key pair as PEM files; existing files are never overwritten.
+
+    The file names are the signing Secret's keys, so ``kubectl create secret generic NAME
+    --from-file=DIR/kernelcache.key --from-file=DIR/kernelcache.pub`` makes a working Secret.
+    """
     directory = Path(directory)
     with io_errors(directory):
         directory.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
-    priv_path = directory / "kernelcache-signing.key"
-    pub_path = directory / "kernelcache-signing.pub"
+    priv_path = directory / SIGNING_KEY_FILE
+    pub_path = directory / PUBLIC_KEY_FILE
     write_file_synced(
         priv_path,
         private.private_bytes(

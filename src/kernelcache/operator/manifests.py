@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from kernelcache.operator.config import OperatorConfig
-from kernelcache.spec import API_VERSION, KIND, GpuClass, KernelCache
+from kernelcache.spec import API_VERSION, KIND, SIGNING_KEY_FILE, GpuClass, KernelCache
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kernelcache-operator"
@@ -50,7 +50,6 @@ CLEANUP = "cleanup"
 SPEC_DIR = "/etc/kernelcache/spec"
 SPEC_FILE = "kernelcache.yaml"
 SIGNING_DIR = "/etc/kernelcache/signing"
-SIGNING_KEY_FILE = "kernelcache.key"  # the name `kernelcache keygen` gives the private key
 TERMINATION_LOG = "/dev/termination-log"
 
 _NAME_MAX = 63  # Job names become a pod label value, so they must fit one

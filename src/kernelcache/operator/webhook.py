@@ -64,7 +64,7 @@ from kernelcache.operator.manifests import (
     claim_name,
     image_of,
 )
-from kernelcache.spec import KernelCache, parse_kernelcache
+from kernelcache.spec import PUBLIC_KEY_FILE, KernelCache, parse_kernelcache
 
 LABEL_CACHE = "kernelcache.dev/cache"
 ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
@@ -79,7 +79,6 @@ KEY_VOLUME = "kernelcache-key"
 NODE_MAP_VOLUME = "kernelcache-nodes"
 CACHE_DIR = "/kernelcache"
 VLLM_VOLUME = "kernelcache-vllm"
-PUBLIC_KEY_FILE = "kernelcache.pub"  # what `kernelcache keygen` writes beside kernelcache.key
 
 Patch = list[dict[str, Any]]
 
