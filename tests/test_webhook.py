@@ -343,6 +343,33 @@ def test_image_mismatch_is_admitted_with_a_warning_under_warn() -> None:
     assert "examples:0.2.0" in warning and "warn" in warning
 
 
+@pytest.mark.parametrize(
+    ("cached", "runs"),
+    [
+        ("vllm/vllm-openai:v0.12.0", "docker.io/vllm/vllm-openai:v0.12.0"),
+        ("docker.io/vllm/vllm-openai:v0.12.0", "index.docker.io/vllm/vllm-openai:v0.12.0"),
+        ("ubuntu", "docker.io/library/ubuntu:latest"),
+    ],
+)
+def test_an_image_named_another_way_runtimes_resolve_alike_is_admitted(
+    cached: str, runs: str
+) -> None:
+    new = mutated(the_pod(image=runs), kernelcache(engine={"image": cached}))
+    args = new["spec"]["initContainers"][0]["args"]
+    assert args[args.index("--expect-image") + 1] == cached
+
+
+def test_an_image_reference_no_runtime_pulls_is_denied_in_one_line() -> None:
+    pod = the_pod(image="ghcr.io/KernelCache/examples:0.1.0")
+    for policy in ("deny", "warn"):
+        pod["metadata"]["annotations"] = {ANNOTATION_IMAGE_POLICY: policy}
+        with pytest.raises(Denied) as denied:
+            mutate_pod(pod, kernelcache(), CONFIG)
+        message = str(denied.value)
+        assert "\n" not in message
+        assert "container 'vllm'" in message and "must be lowercase" in message, message
+
+
 def test_bad_image_policy_is_denied() -> None:
     pod = the_pod(annotations={ANNOTATION_IMAGE_POLICY: "allow"})
     with pytest.raises(Denied, match=r"kernelcache\.dev/image-policy='allow'"):

@@ -56,6 +56,7 @@ from kernelcache.errors import (
     StorageError,
     one_line,
 )
+from kernelcache.images import InvalidImageReference, same_image
 
 # The store's private write helpers too: one-line StorageErrors naming path and errno, and
 # files made durable the way the store makes its own.
@@ -85,7 +86,6 @@ __all__ = [
     "default_termination_log",
     "discover_node",
     "error_line",
-    "image_matches",
     "parse_expect_factor",
     "run",
     "tune_scoped_files",
@@ -241,21 +241,6 @@ def parse_expect_factor(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
-def _split_image(ref: str) -> tuple[str, str | None]:
-    name, _, digest = ref.partition("@")
-    return name, digest or None
-
-
-def image_matches(built: str, expected: str) -> bool:
-    """Same content: equal digests when both name one (a mirror keeps the digest but not
-    the name), else the same name and tag (a tag-only pod cannot be held to a digest)."""
-    built_name, built_digest = _split_image(built)
-    expected_name, expected_digest = _split_image(expected)
-    if built_digest and expected_digest:
-        return built_digest == expected_digest
-    return built_name == expected_name
-
-
 def _mismatch(name: str, built: str | None, expected: str, why: str) -> StampMismatchError:
     diff = stamps.FactorDiff(name, built, expected).describe()
     return StampMismatchError(f"stamp mismatch: {diff} ({why})")
@@ -344,10 +329,13 @@ def _check_stamp(manifest: Manifest, key: str, node: NodeInfo, options: Options)
         raise _mismatch("arch", built_arch, node.arch, f"node, from {node.arch_source}")
     if options.expect_image is not None:
         built_image = factors.get(ENGINE_IMAGE_FACTOR)
-        if built_image is None or not image_matches(built_image, options.expect_image):
-            raise _mismatch(
-                ENGINE_IMAGE_FACTOR, built_image, options.expect_image, "--expect-image"
-            )
+        why = "--expect-image"
+        try:
+            matches = built_image is not None and same_image(built_image, options.expect_image)
+        except InvalidImageReference as exc:
+            matches, why = False, f"--expect-image: {exc}"
+        if not matches:
+            raise _mismatch(ENGINE_IMAGE_FACTOR, built_image, options.expect_image, why)
     for name, expected in options.expect_factors.items():
         if factors.get(name) != expected:
             raise _mismatch(name, factors.get(name), expected, "--expect-factor")

@@ -38,7 +38,9 @@ Pod annotations:
 - ``kernelcache.dev/image-policy``: ``deny`` (default) refuses a pod whose serving container
   runs another image than the KernelCache's ``spec.engine.image``; ``warn`` admits it with an
   admission warning (the init-container still verifies the generation against the
-  KernelCache's image, and the runtime's stamp check sees the difference);
+  KernelCache's image, and the runtime's stamp check sees the difference). Images are
+  compared as container runtimes resolve them (``kernelcache.images``): ``vllm/x:1`` is
+  ``docker.io/vllm/x:1``; a reference no runtime would pull is refused under either policy;
 - ``kernelcache.dev/containers``: comma-separated names of the serving containers; default
   all of ``spec.containers`` (list them when the pod has sidecars in other images).
 
@@ -55,7 +57,8 @@ from typing import Any
 
 from kernelcache import nodemap
 from kernelcache.errors import SpecError
-from kernelcache.initcontainer import ENV_FILE, image_matches
+from kernelcache.images import InvalidImageReference, parse_image, same_image
+from kernelcache.initcontainer import ENV_FILE
 from kernelcache.operator.config import OperatorConfig
 from kernelcache.operator.kube import ApiError, kernelcache_path
 from kernelcache.operator.manifests import (
@@ -161,10 +164,17 @@ def _check_images(
         )
     expected = image_of(kc)
     kc_ref = f"KernelCache {kc.metadata.namespace}/{kc.metadata.name}"
+    try:
+        parse_image(expected)
+    except InvalidImageReference as exc:
+        raise Denied(f"pod {where}: {kc_ref}: spec.engine.image {exc}") from None
     for _, container in serving:
         image = str(container.get("image") or "")
-        if image_matches(expected, image):
-            continue
+        try:
+            if same_image(expected, image):
+                continue
+        except InvalidImageReference as exc:
+            raise Denied(f"pod {where}: container {container.get('name')!r}: image {exc}") from None
         message = (
             f"pod {where}: container {container.get('name')!r} runs image {image!r}, but "
             f"{kc_ref} caches kernels for spec.engine.image {expected!r}"
