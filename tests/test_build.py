@@ -320,3 +320,45 @@ def test_a_reverted_spec_makes_its_kept_generation_current_without_building(tmp_
     assert gc.stdout.split() == [f"{key}:", "removed", "1", "generation(s)", v2["generation"]]
     kept = sorted(m.generation for m in Store(store).generations(key))
     assert kept == sorted([v1["generation"], v3["generation"]])
+
+
+def mixed_fleet(tmp_path: Path, b12x_classes: list[str] | None) -> Path:
+    """The b12x example with an H100 class added, built by a warmer of its own."""
+    kc = yaml.safe_load((EXAMPLES / "b12x-blackwell-consumer.yaml").read_text())
+    kc["spec"]["gpuClasses"].append(
+        {"name": "h100", "arch": "sm_90a", "nodeSelector": {"nvidia.com/gpu.product": "H100"}}
+    )
+    (b12x,) = kc["spec"]["warmers"]
+    if b12x_classes is not None:
+        b12x["gpuClasses"] = b12x_classes
+    script = "import os, pathlib; pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').touch()"
+    kc["spec"]["warmers"].append(
+        {"type": "command", "command": [sys.executable, "-c", script], "gpuClasses": ["h100"]}
+    )
+    path = tmp_path / "mixed.yaml"
+    path.write_text(yaml.safe_dump(kc))
+    return path
+
+
+def test_a_warmer_naming_its_gpu_classes_lets_one_kernelcache_cover_a_mixed_fleet(tmp_path):
+    spec = mixed_fleet(tmp_path, ["rtx-pro-6000", "rtx-5090"])
+    store = tmp_path / "store"
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    manifest = Store(store).current_manifest("default/qwen3-moe-b12x/sm_90a")
+    assert [w["warmer"] for w in manifest.report["warmers"]] == [f"command {sys.executable}"]
+    # The b12x warmer still applies to every class when it names none: sm_90a fails on it.
+    every = mixed_fleet(tmp_path, None)
+    proc = kernelcache("warm", "-f", str(every), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.WARM_FAILED
+    assert "b12x warmer: kernels are for sm_120a or sm_121a, not sm_90a" in one_line_error(proc)
+
+
+def test_a_warmer_naming_a_gpu_class_that_does_not_exist_is_one_line(tmp_path):
+    spec = mixed_fleet(tmp_path, ["rtx-pro-6000", "rtx-5900"])
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
+    assert proc.returncode == ExitCode.USAGE
+    assert one_line_error(proc) == (
+        f"kernelcache: error: {spec}: spec.warmers[0].gpuClasses[1]: no GPU class named "
+        "'rtx-5900' (gpuClasses: rtx-pro-6000, rtx-5090, h100)"
+    )

@@ -275,3 +275,26 @@ def test_config_reads_prefixed_variables() -> None:
 def test_config_errors_name_the_variable(environ: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         OperatorConfig.from_env(environ)
+
+
+def test_a_compile_jobs_deadline_counts_only_the_warmers_of_its_arch() -> None:
+    warmers = kernelcache().spec.model_dump(by_alias=True, exclude_none=True)["warmers"]
+    kc = kernelcache(
+        warmers=[
+            {**warmers[0], "gpuClasses": ["h200"], "timeoutSeconds": 100},
+            {
+                "type": "command",
+                "command": ["warm"],
+                "gpuClasses": ["rtx-pro-6000"],
+                "timeoutSeconds": 7000,
+            },
+        ]
+    )
+    deadlines = {
+        arch: manifests.compile_job(
+            kc, arch=arch, digest="d" * 16, attempt=0, owner=OWNER, config=CONFIG
+        )["spec"]["activeDeadlineSeconds"]
+        - CONFIG.job_deadline_margin_seconds
+        for arch in kc.spec.arches()
+    }
+    assert deadlines == {"sm_90a": 100, "sm_120a": 7000}

@@ -219,6 +219,14 @@ BAD_OBJECTS = {
         lambda o: o["spec"]["warmers"].append(copy.deepcopy(o["spec"]["warmers"][0])),
         "spec.warmers[1].entryPoints: duplicate of warmers[0]",
     ),
+    "a warmer naming a GPU class that does not exist": (
+        lambda o: _set(o, "spec.warmers.0.gpuClasses", ["h200", "h20"]),
+        "spec.warmers[0].gpuClasses[1]: no GPU class named 'h20' (gpuClasses: h200, ",
+    ),
+    "a GPU class no warmer compiles for": (
+        lambda o: _set(o, "spec.warmers.0.gpuClasses", ["h200"]),
+        "spec.gpuClasses[1]: no warmer compiles for ",
+    ),
     "bad digest": (
         lambda o: _set(o, "spec.engine.imageDigest", "sha256:abc"),
         "spec.engine.imageDigest: expected an image digest",

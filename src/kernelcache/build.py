@@ -64,9 +64,13 @@ class ArchResult:
         )
 
 
-def workload_of(kc: KernelCache) -> list[dict[str, Any]]:
-    """The declared warm-up: which warmers, entry points, commands and workloads (a factor)."""
-    return [w.model_dump(by_alias=True, exclude={"timeout_seconds"}) for w in kc.spec.warmers]
+def workload_of(kc: KernelCache, arch: str) -> list[dict[str, Any]]:
+    """The declared warm-up of an arch: its warmers, entry points, commands and workloads (a
+    factor; a warmer for other GPU classes only does not change this arch's generation)."""
+    return [
+        w.model_dump(by_alias=True, exclude={"timeout_seconds", "gpu_classes"})
+        for w in kc.spec.warmers_for(arch)
+    ]
 
 
 def declared_factors(kc: KernelCache) -> dict[str, str]:
@@ -90,12 +94,13 @@ def warm_arch(
     a re-point of CURRENT when a kept one has it (unless ``force``)."""
     start = time.perf_counter()
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
-    warmers = make_warmers(kc.spec.warmers, spec_dir, kc.spec.gpu_classes)
+    configs = kc.spec.warmers_for(arch)
+    warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     stamp = stamps.collect(
         arch=arch,
         sources=sources,
-        workload=workload_of(kc),
+        workload=workload_of(kc, arch),
         extra=declared_factors(kc),
         measured=sorted({name for w in warmers for name in w.measured_factors()}),
         sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
@@ -117,7 +122,8 @@ def warm_arch(
         if kept is not None:
             return ArchResult.from_manifest(arch, "re-pointed", kept, time.perf_counter() - start)
         files_dir = writer.staging()
-        report = run_warmers(warmers, files_dir, arch)
+        positions = [kc.spec.warmers.index(c) for c in configs]
+        report = run_warmers(warmers, files_dir, arch, positions)
         manifest = writer.publish(
             files_dir,
             stamp.to_dict(),

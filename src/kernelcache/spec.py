@@ -361,6 +361,14 @@ class Warmer(BaseModel):
         default_factory=dict, description="Free-form JSON passed to the entry points."
     )
     timeout_seconds: int = Field(default=3600, ge=1)
+    gpu_classes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Names of the GPU classes this warmer compiles for; empty: every class. One "
+            "KernelCache then covers a mixed fleet (b12x for the sm_120a classes, another "
+            "warmer for an sm_90a class)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_type_fields(self) -> Warmer:
@@ -383,6 +391,9 @@ class Warmer(BaseModel):
             if self.entry_points:
                 raise _rule_error("entryPoints", "not allowed for a command warmer")
         return self
+
+    def compiles_for(self, gpu_class: GpuClass) -> bool:
+        return not self.gpu_classes or gpu_class.name in self.gpu_classes
 
     def b12x_workload(self) -> B12xWorkload:
         """The workload of a b12x warmer, checked; errors name ``workload.<field>``."""
@@ -512,6 +523,31 @@ class KernelCacheSpec(BaseModel):
                     f"differs from warmers[{min(roots.values())}]'s; a pod has one VLLM_CACHE_ROOT",
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_warmer_classes(self) -> KernelCacheSpec:
+        """Every class a warmer names exists, and every class has a warmer to build it."""
+        classes = [c.name for c in self.gpu_classes]
+        for i, w in enumerate(self.warmers):
+            for j, name in enumerate(w.gpu_classes):
+                if name not in classes:
+                    raise _rule_error(
+                        f"warmers[{i}].gpuClasses[{j}]",
+                        f"no GPU class named {name!r} (gpuClasses: {', '.join(classes)})",
+                    )
+        for i, gpu_class in enumerate(self.gpu_classes):
+            if not any(w.compiles_for(gpu_class) for w in self.warmers):
+                raise _rule_error(
+                    f"gpuClasses[{i}]",
+                    f"no warmer compiles for {gpu_class.name!r}: every warmer names other "
+                    "classes in its gpuClasses",
+                )
+        return self
+
+    def warmers_for(self, arch: str) -> list[Warmer]:
+        """The warmers that compile for an arch: those naming no class or a class of it."""
+        classes = [c for c in self.gpu_classes if c.arch == arch]
+        return [w for w in self.warmers if any(w.compiles_for(c) for c in classes)]
 
     def arches(self) -> list[str]:
         """The distinct arches to build, sorted; one warm Job and generation per arch."""

@@ -292,7 +292,8 @@ def compile_job(
         "containers": [container],
         "volumes": volumes,
     }
-    deadline = sum(w.timeout_seconds for w in kc.spec.warmers) + config.job_deadline_margin_seconds
+    timeouts = sum(w.timeout_seconds for w in kc.spec.warmers_for(arch))
+    deadline = timeouts + config.job_deadline_margin_seconds
     name = job_name(kc.metadata.name, arch, digest, attempt)
     return _job(_metadata(kc, name, labels, owner), labels, pod_spec, config, deadline)
 

@@ -255,14 +255,24 @@ def warmer_class(kind: str) -> type[Warmer]:
 def make_warmers(
     configs: list[WarmerSpec], spec_dir: Path | None = None, gpu_classes: Sequence[GpuClass] = ()
 ) -> list[Warmer]:
-    return [warmer_class(c.type)(c, spec_dir, gpu_classes) for c in configs]
+    """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names none)."""
+    return [
+        warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)])
+        for c in configs
+    ]
 
 
-def run_warmers(warmers: list[Warmer], files_dir: Path, arch: str) -> dict[str, Any]:
-    """Run every warmer in order; the report that goes into the manifest."""
+def run_warmers(
+    warmers: list[Warmer], files_dir: Path, arch: str, positions: list[int] | None = None
+) -> dict[str, Any]:
+    """Run every warmer in order; the report that goes into the manifest.
+
+    ``positions``: each warmer's index in ``spec.warmers``, for messages (default: its place
+    in ``warmers``, which holds only the arch's warmers when some name GPU classes).
+    """
     reports = []
     start = time.perf_counter()
-    for index, warmer in enumerate(warmers):
+    for index, warmer in zip(positions or range(len(warmers)), warmers, strict=True):
         seconds = warmer.config.timeout_seconds
         late = f"spec.warmers[{index}] ({warmer.label}) ran past timeoutSeconds={seconds}"
         with deadline(seconds, f"{late} for {arch}"):
