@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,21 @@ sys.path.insert(0, str(EXAMPLES))
 
 HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
+
+
+def system_tool(name: str) -> str:
+    """The path of a program a test drives (``scripts/install-system-tools.sh`` installs it).
+
+    Missing: the test skips, saying so; under CI (``CI`` set) it fails, since there the
+    README's test command must have installed it and a skip would hide the gap.
+    """
+    path = shutil.which(name)
+    if path is not None:
+        return path
+    message = f"{name} is not installed (scripts/install-system-tools.sh installs it)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}; under CI that is a failure, not a skip")
+    pytest.skip(message)
 
 
 def subprocess_env(**overrides: str) -> dict[str, str]:

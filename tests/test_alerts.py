@@ -6,15 +6,12 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, system_tool
 
-PROMTOOL = shutil.which("promtool")
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 RULE_TESTS = REPO / "prometheus" / "kernelcache-rules.test.yaml"
 ALERTS = {
@@ -26,22 +23,18 @@ ALERTS = {
     "KernelCacheVerifyFailed",
 }
 
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
-
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
-    assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    command = [system_tool("promtool"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
-@needs_promtool
 def test_rules_are_valid():
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
 
 
-@needs_promtool
 def test_every_alert_fires_and_stays_quiet_as_tested():
     proc = promtool("test", "rules", str(RULE_TESTS))
     assert proc.returncode == 0, proc.stdout + proc.stderr

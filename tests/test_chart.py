@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 from kernelcache.operator.config import OperatorConfig
 from kernelcache.operator.manifests import peering_crds
 from kernelcache.spec import crd_manifest, crd_yaml
+from tests.conftest import system_tool
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kernelcache"
@@ -342,9 +342,7 @@ def test_chart_rules_are_the_tested_rules(tmp_path: Path) -> None:
     assert copy.read_bytes() == source.read_bytes(), f"copy {source.name} into {copy.parent}"
     groups = one(render("prometheus-operator"), "PrometheusRule")["spec"]["groups"]
     assert groups == yaml.safe_load(source.read_text(encoding="utf-8"))["groups"]
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not on PATH")
+    promtool = system_tool("promtool")
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump({"groups": groups}), encoding="utf-8")
     done = subprocess.run(

@@ -9,7 +9,6 @@ for the cold process within seconds, and never for the warm one.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,18 +23,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, needs_cute, subprocess_env
+from tests.conftest import REPO, needs_cute, subprocess_env, system_tool
 from tests.test_build import SMALL_WORKLOAD
 
-PROMETHEUS = shutil.which("prometheus")
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
 DEADLINE_S = 60
 
-pytestmark = [
-    needs_cute,
-    pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed"),
-]
+pytestmark = needs_cute
 
 
 @contextmanager
@@ -85,10 +80,9 @@ def prometheus(tmp: Path, targets: dict[str, int]) -> Iterator[int]:
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    assert PROMETHEUS is not None
     proc = subprocess.Popen(
         [
-            PROMETHEUS,
+            system_tool("prometheus"),
             f"--config.file={tmp / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",

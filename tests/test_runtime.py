@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,14 @@ from kernelcache.runtime import RuntimeConfig, hooks, metrics
 from kernelcache.runtime.hooks import BuildLogTail
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
-from tests.conftest import EXAMPLES, REPO, needs_cute, subprocess_env, wait_until
+from tests.conftest import (
+    EXAMPLES,
+    REPO,
+    needs_cute,
+    subprocess_env,
+    system_tool,
+    wait_until,
+)
 from tests.test_build import SMALL_WORKLOAD, kernelcache, write_spec
 
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
@@ -46,10 +54,17 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-needs_torch = pytest.mark.skipif(
-    not _importable("torch") or shutil.which("g++") is None,
-    reason="torch.compile on the CPU needs torch and a C++ compiler",
-)
+def needs_torch(test: Callable[..., None]) -> Callable[..., None]:
+    """torch.compile on the CPU: torch, and g++ for inductor's C++ backend."""
+    skip = pytest.mark.skipif(not _importable("torch"), reason="torch is not installed")
+    return skip(pytest.mark.usefixtures("cxx")(test))
+
+
+@pytest.fixture
+def cxx() -> str:
+    return system_tool("g++")
+
+
 needs_triton = pytest.mark.skipif(not _importable("triton"), reason="triton is not installed")
 needs_gpu = pytest.mark.skipif(
     shutil.which("nvidia-smi") is None or not _importable("torch"), reason="needs a CUDA GPU"
