@@ -198,6 +198,12 @@ def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() 
     assert mounts["webhook-tls"] == config.webhook_tls_dir
 
 
+def test_fix_store_ownership_reaches_the_operator_config() -> None:
+    assert OperatorConfig.from_env(env_of(render("defaults"))).fix_store_ownership is False
+    docs = render("defaults", {"operator": {"fixStoreOwnership": True}})
+    assert OperatorConfig.from_env(env_of(docs)).fix_store_ownership is True
+
+
 def test_cert_manager_issues_the_certificate_and_injects_the_ca() -> None:
     docs = render("cert-manager")
     assert "Secret" not in kinds(docs)

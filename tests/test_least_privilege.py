@@ -29,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("kopf", reason="needs kernelcache[operator]")
 pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emulator)")
 
 from kmock import Request
 
+from kernelcache.errors import ExitCode
 from kernelcache.operator import webhook
 from kernelcache.operator.config import OperatorConfig
 from kernelcache.operator.kube import jobs_path, kernelcache_path
@@ -43,6 +45,7 @@ from kernelcache.operator.manifests import (
     CLEANUP,
     COMPILE,
     LABEL_COMPONENT,
+    SPEC_DIR,
     TERMINATION_LOG,
     claim_name,
     cleanup_job,
@@ -51,7 +54,13 @@ from kernelcache.operator.manifests import (
     spec_digest,
 )
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import kernelcache_doc, run_kernelcache, subprocess_env, wait_until
+from tests.conftest import (
+    kernelcache_doc,
+    one_line_error,
+    run_kernelcache,
+    subprocess_env,
+    wait_until,
+)
 from tests.operator_process import api_harness, finish_job
 from tests.test_chart import HELM, VALUES, _granted, render
 from tests.test_initcontainer import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
@@ -301,6 +310,79 @@ def test_a_secret_made_from_keygen_output_signs_in_the_job_and_verifies_in_the_p
     assert done.returncode == 0, done.stderr
     assert "verified" in done.stdout
     assert f"--from-file={tmp_path / 'keys'}" in keygen.stdout  # it says how to make the Secret
+
+
+def test_a_volume_that_ignores_fsgroup_is_named_and_fix_store_ownership_fixes_it(
+    pod_dir: Path,
+) -> None:
+    """An NFS-style export: another owner's 0755 directory, fsGroup not applied. The compile
+    Job's warm fails in one line naming the owner and the chart setting; with the setting,
+    the Job's init-container (the export's owner, CAP_CHOWN only) makes it work.
+
+    The warm runs as the pods' user where this interpreter can, the export then root's as on
+    NFS; else as uid 0 without capabilities (bound by permission bits like any user) and the
+    export is nobody's, whose uid the init-container then runs as, still with CAP_CHOWN only.
+    """
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv")
+    user = pod_user()
+    job, export = (user, (0, 0)) if user is not None else ((0, 0), (65534, 65534))
+    store, home = pod_dir / "store", pod_dir / "home"
+    store.mkdir(mode=0o755)
+    os.chown(store, *export)
+    home.mkdir()
+    os.chown(home, *job)
+    write = "import os, pathlib; pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').touch()"
+    body = kernelcache_body(warmers=[{"type": "command", "command": [sys.executable, "-c", write]}])
+    (pod_dir / "kernelcache.yaml").write_text(yaml.safe_dump(body))
+    here = {
+        CONFIG.store_mount_path: str(store),
+        SPEC_DIR: str(pod_dir),
+        TERMINATION_LOG: str(home / "termination-log"),
+        f"{CONFIG.run_as_user}:{CONFIG.run_as_group}": f"{job[0]}:{job[1]}",
+    }
+
+    def local(argv: list[str]) -> list[str]:
+        return [next((a.replace(k, v, 1) for k, v in here.items() if a.startswith(k)), a)
+                for a in argv]  # fmt: skip
+
+    def pod(config: OperatorConfig) -> dict[str, Any]:
+        kc = parse_kernelcache(body, "kc")
+        built = compile_job(
+            kc, arch=ARCH, digest="d" * 16, attempt=0, owner=owner_reference(body), config=config
+        )
+        return built["spec"]["template"]["spec"]
+
+    (warm,) = pod(CONFIG)["containers"]
+    assert "initContainers" not in pod(CONFIG)
+    env = {**subprocess_env(), "HOME": str(home)}
+    as_job = ["setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
+    if user is not None:
+        as_job += [f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups"]
+    argv = [*as_job, sys.executable, "-m", *local(warm["command"])]
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == ExitCode.IO, refused.stderr
+    line = one_line_error(refused)
+    assert f"{store}/{NS}: EACCES" in line, line
+    assert f"{store} is owned by uid {export[0]} gid {export[1]} mode 0755" in line, line
+    assert "operator.fixStoreOwnership=true" in line, line
+
+    (init,) = pod(OperatorConfig(fix_store_ownership=True))["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert (init["securityContext"]["runAsUser"], init["image"]) == (0, CONFIG.cleanup_image)
+    owner_with_chown = ["setpriv", "--inh-caps=-all,+chown", "--bounding-set=-all,+chown"]
+    if export != (0, 0):
+        owner_with_chown += [f"--reuid={export[0]}", f"--regid={export[1]}", "--clear-groups"]
+        owner_with_chown += ["--ambient-caps=-all,+chown"]
+    done = subprocess.run(
+        [*owner_with_chown, *local(init["command"])], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    for directory in (store / NS, store / NS / NAME):
+        assert (directory.stat().st_uid, directory.stat().st_gid) == job
+    assert (store.stat().st_uid, stat.S_IMODE(store.stat().st_mode)) == (export[0], 0o755)
+    warmed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert warmed.returncode == 0, warmed.stderr
 
 
 def test_cleanup_job_writes_only_the_store() -> None:

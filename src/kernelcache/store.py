@@ -165,6 +165,26 @@ def _storage_error(exc: OSError, path: str | os.PathLike[str]) -> StorageError:
     )
 
 
+def _not_writable(exc: PermissionError, key_dir: Path) -> StorageError:
+    """EACCES creating a key directory: who owns the nearest existing directory, and the fix.
+
+    A volume whose driver ignores the pod's fsGroup (NFS-style exports, root-owned 0755)
+    refuses the compile Job's user the first directory under the store root.
+    """
+    parent = key_dir
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    info = parent.stat()
+    return StorageError(
+        f"{_storage_error(exc, key_dir).message}: {parent} is owned by uid {info.st_uid} "
+        f"gid {info.st_gid} mode {stat.S_IMODE(info.st_mode):04o}, and this process is uid "
+        f"{os.geteuid()} gid {os.getegid()}; a volume that ignores fsGroup needs its owner "
+        "set first (Helm: operator.fixStoreOwnership=true; see 'The compile Job cannot "
+        "write the volume' in docs/troubleshooting.md)",
+        path=os.fsdecode(parent),
+    )
+
+
 @contextmanager
 def io_errors(path: str | os.PathLike[str]) -> Iterator[None]:
     """Turn an OSError into a one-line StorageError naming the path and the errno."""
@@ -1350,7 +1370,10 @@ class Store:
         lock_path = key_dir / LOCK_NAME
         self._check_key_path(key)  # never publish into another key through a symlink
         with io_errors(key_dir):
-            key_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                key_dir.mkdir(parents=True, exist_ok=True)
+            except PermissionError as exc:
+                raise _not_writable(exc, key_dir) from exc
             # Not through a symlink: the holder truncates the lock file to write its pid.
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:

@@ -62,6 +62,12 @@ class OperatorConfig(BaseModel):
     run_as_group: int = Field(default=1000, ge=1)
     fs_group: int = Field(default=1000, ge=1)
 
+    # Compile Jobs first give the KernelCache's store directories (<store>/<namespace> and
+    # <store>/<namespace>/<name>) to run_as_user:run_as_group, in an init-container that runs
+    # as root with CAP_CHOWN alone (the cleanup image). For volumes whose CSI driver ignores
+    # fsGroup (NFS-style exports, root-owned 0755), where the Job's user cannot create them.
+    fix_store_ownership: bool = False
+
     # Pod retries inside one compile Job before the Job counts as failed.
     job_backoff_limit: int = Field(default=1, ge=0)
 

@@ -292,6 +292,8 @@ def compile_job(
         "containers": [container],
         "volumes": volumes,
     }
+    if config.fix_store_ownership:
+        pod_spec["initContainers"] = [store_ownership_container(kc, config)]
     timeouts = sum(w.timeout_seconds for w in kc.spec.warmers_for(arch))
     deadline = timeouts + config.job_deadline_margin_seconds
     name = job_name(kc.metadata.name, arch, digest, attempt)
@@ -322,6 +324,29 @@ def compile_placement(
 def _is_accelerator(resource: str) -> bool:
     """An extended resource of a device plugin (``nvidia.com/gpu``, ``nvidia.com/mig-1g.10gb``)."""
     return "/" in resource and resource.split("/", 1)[0] != "kubernetes.io"
+
+
+def store_ownership_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
+    """Creates the KernelCache's store directories and gives them to the compile Job's user.
+
+    For volumes that ignore fsGroup (``fix_store_ownership``). Root, but no capability
+    except CHOWN: creating a directory in a root-owned one needs none, and nothing below
+    ``<store>/<namespace>/<name>`` is touched.
+    """
+    owner = f"{config.run_as_user}:{config.run_as_group}"
+    directory = data_path(kc, config)
+    return {
+        "name": "store-ownership",
+        "image": config.cleanup_image,
+        "command": ["sh", "-c", 'mkdir -p "$0" && chown "$1" "${0%/*}" "$0"', directory, owner],
+        "securityContext": {
+            **_CONTAINER_SECURITY,
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "volumeMounts": [{"name": "store", "mountPath": config.store_mount_path}],
+    }
 
 
 def data_path(kc: KernelCache, config: OperatorConfig) -> str:
