@@ -73,8 +73,9 @@ USED: list[tuple[str, str, set[str], str]] = [
     # create: reconcile makes the cache claim; delete: the finalizer drops an owned claim.
     ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
     # create: reconcile writes the spec ConfigMap the compile Jobs read; create/patch:
-    # handle_update_nodes writes the node map serving pods read.
-    ("", "configmaps", {"create", "patch"}, "all"),
+    # handle_update_nodes writes the node map serving pods read; get/create/patch: the
+    # published record (reconcile), delete: the finalizer drops it with the data.
+    ("", "configmaps", {"get", "create", "patch", "delete"}, "all"),
     # list/watch: the gpu_nodes index and node_changed handler (main).
     ("", "nodes", {"list", "watch"}, "all"),
     # create: kopf.event in main._post and main.delete (and kopf's own handler events).

@@ -61,7 +61,7 @@ from tests.conftest import (
     subprocess_env,
     wait_until,
 )
-from tests.operator_process import api_harness, finish_job
+from tests.operator_process import api_harness, finish_job, result_generation
 from tests.test_chart import HELM, VALUES, _granted, render
 from tests.test_initcontainer import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
 
@@ -638,6 +638,10 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
         def phase(name: str) -> str | None:
             return (kube.get(kernelcache_path(namespace, name)).get("status") or {}).get("phase")
 
+        def arches_of(name: str) -> list[dict[str, Any]]:
+            status = kube.get(kernelcache_path(namespace, name)).get("status") or {}
+            return list(status.get("arches") or [])
+
         (job,) = wait_until(lambda: jobs_of("own-claim"), what="the compile Job")
         finish_job(kube, job, succeeded=True)
         wait_until(lambda: phase("own-claim") == "Ready", what="own-claim Ready")
@@ -646,6 +650,20 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
         kube.create("/api/v1/nodes", {"metadata": {"name": "gpu-1", "labels": gpu}})
         node_map = f"/api/v1/namespaces/{namespace}/configmaps/kernelcache-nodes"
         wait_until(lambda: "gpu-1" in (kube.get(node_map).get("data") or {}), what="the map")
+        # A spec change publishes a second generation: the published record is updated.
+        image = {"spec": {"engine": {"image": "ghcr.io/kernelcache/examples:0.2.0"}}}
+        kube.patch(kernelcache_path(namespace, "own-claim"), image)
+        seen = {job["metadata"]["name"]}
+        (job,) = wait_until(
+            lambda: [j for j in jobs_of("own-claim") if j["metadata"]["name"] not in seen],
+            what="the second compile Job",
+        )
+        finish_job(kube, job, succeeded=True)
+        published = result_generation(job["metadata"]["name"])
+        wait_until(
+            lambda: [a.get("generation") for a in arches_of("own-claim")] == [published],
+            what="the second generation in status",
+        )
         wait_until(lambda: jobs_of("shared-claim"), what="the shared claim's compile Job")
         for body in (own, shared):
             kube.delete(kernelcache_path(namespace, body["metadata"]["name"]))

@@ -561,3 +561,33 @@ def test_a_re_created_kernelcache_mounts_a_spec_configmap_of_its_own(cluster: Cl
                 path("v1", "configmaps", NS, volumes["spec"]["configMap"]["name"])
             )
             assert [o["uid"] for o in mounted["metadata"]["ownerReferences"]] == [uid]
+
+
+def test_a_re_created_kernelcache_shows_what_its_store_still_serves(cluster: Cluster) -> None:
+    """Deleted without deleteDataOnDelete, the store keeps its generations and serving pods
+    keep loading them: the namesake created next shows them before its own Jobs have run."""
+    with operator(cluster):
+        cluster.apply(example())
+        for arch in ("sm_90a", "sm_120a"):
+            cluster.finish(cluster.run("demo", arch), message=result_message(arch, f"g-{arch}"))
+        wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+
+        cluster.apply(example(retention={"deleteDataOnDelete": True}))
+        status = wait_until(lambda: cluster.status("demo").get("arches"), what="a status")
+        assert {a["arch"]: (a["phase"], a.get("generation")) for a in status} == {
+            "sm_90a": ("Pending", "g-sm_90a"),
+            "sm_120a": ("Pending", "g-sm_120a"),
+        }
+        assert cluster.status("demo")["servingArches"] == "2/2"
+        assert cluster.status("demo")["readyArches"] == "0/2"
+
+        # Deleted with its data, the record goes too: the next namesake shows nothing served.
+        wait_until(lambda: len(cluster.jobs()) == 2, what="its Jobs")
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        cluster.apply(example())
+        status = wait_until(lambda: cluster.status("demo").get("arches"), what="a status")
+        assert [a.get("generation") for a in status] == [None, None]
+        assert cluster.status("demo")["servingArches"] == "0/2"

@@ -387,3 +387,30 @@ def test_a_failure_without_a_transition_time_counts_from_the_jobs_creation() -> 
     del undated["status"]["conditions"][0]["lastTransitionTime"]
     undated["metadata"]["creationTimestamp"] = ts(3600)
     assert plan([undated]).create_attempt == 1
+
+
+# The published record
+
+
+def test_published_keeps_what_current_names_per_arch() -> None:
+    status = {
+        "arches": [
+            {"arch": "sm_90a", "phase": "Pending", "generation": "g1", "bytes": 9, "message": "m"},
+            {"arch": "sm_120a", "phase": "Pending", "message": "creating the compile Job"},
+        ]
+    }
+    assert state.published(status) == {"sm_90a": {"generation": "g1", "bytes": 9}}
+    assert state.published({}) == {}
+
+
+def test_a_record_of_this_claim_reads_back_as_finished_arches() -> None:
+    record = json.dumps(
+        {"claim": "kernelcache-demo", "arches": {"sm_90a": {"generation": "g1", "junk": 1}}}
+    )
+    assert state.recorded(record, "kernelcache-demo") == {
+        "sm_90a": {"arch": "sm_90a", "phase": "Ready", "generation": "g1"}
+    }
+    # Another claim's store says nothing about this one; an unreadable record says nothing.
+    assert state.recorded(record, "shared") == {}
+    for text in (None, "", "{", "[]", json.dumps({"claim": "kernelcache-demo", "arches": 3})):
+        assert state.recorded(text, "kernelcache-demo") == {}

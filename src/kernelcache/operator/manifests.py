@@ -46,6 +46,8 @@ ANNOTATION_CACHE = "kernelcache.dev/cache"
 
 COMPILE = "compile"
 CLEANUP = "cleanup"
+RECORD = "record"
+RECORD_FILE = "published.json"
 
 SPEC_DIR = "/etc/kernelcache/spec"
 SPEC_FILE = "kernelcache.yaml"
@@ -158,6 +160,26 @@ def spec_configmap(kc: KernelCache, owner: dict[str, Any], digest: str) -> dict[
         "metadata": _metadata(kc, configmap_name(kc, digest), labels, owner),
         "immutable": True,
         "data": {SPEC_FILE: yaml.safe_dump(spec_document(kc), sort_keys=False)},
+    }
+
+
+def record_name(kc: KernelCache) -> str:
+    return f"kc-{kc.metadata.name}"[: 253 - 10].rstrip("-.") + "-published"
+
+
+def published_record(kc: KernelCache, uid: str, arches: dict[str, Any]) -> dict[str, Any]:
+    """What the store's ``CURRENT`` names per arch, as last published under this name.
+
+    Named after the KernelCache's name alone and without an owner reference, like the data
+    in ``<store>/<namespace>/<name>``: it outlives the object, so one re-created under the
+    name shows what its pods load (they read the same store) before its own Jobs have run.
+    """
+    record = {"claim": claim_name(kc), "arches": arches}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(kc, record_name(kc), _labels(uid, RECORD), None),
+        "data": {RECORD_FILE: json.dumps(record, sort_keys=True)},
     }
 
 

@@ -39,6 +39,36 @@ STATUS_KEYS = (
 )  # fmt: skip
 
 
+def published(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per arch with a generation, the published fields of a status: what CURRENT names."""
+    return {
+        a["arch"]: {k: a[k] for k in PUBLISHED_FIELDS if k in a}
+        for a in status.get("arches") or []
+        if a.get("generation")
+    }
+
+
+def recorded(text: str | None, claim: str) -> dict[str, dict[str, Any]]:
+    """A published record's arches as status entries of a finished build; none when it is
+    unreadable or of another claim (then it says nothing about this store)."""
+    try:
+        record = json.loads(text or "")
+    except ValueError:
+        return {}
+    if not isinstance(record, dict) or record.get("claim") != claim:
+        return {}
+    arches = record.get("arches")
+    return {
+        arch: {
+            "arch": arch,
+            "phase": "Ready",
+            **{k: fields[k] for k in PUBLISHED_FIELDS if k in fields},
+        }
+        for arch, fields in (arches.items() if isinstance(arches, dict) else ())
+        if isinstance(fields, dict) and fields.get("generation")
+    }
+
+
 def parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 

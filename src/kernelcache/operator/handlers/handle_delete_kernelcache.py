@@ -47,6 +47,7 @@ def delete_kernelcache(kube: Kube, config: OperatorConfig, body: dict[str, Any])
     if not kc.spec.retention.delete_data_on_delete:
         return Deleted(Cleanup.DONE, f"{stopped}; the cached data is kept")
     claim = manifests.claim_name(kc)
+    kube.delete(path("v1", "configmaps", namespace, manifests.record_name(kc)))
     if kc.spec.storage.pvc is not None:
         kube.delete(path("v1", "persistentvolumeclaims", namespace, claim))
         return Deleted(Cleanup.DONE, f"{stopped}; deleted claim {claim} with the data")

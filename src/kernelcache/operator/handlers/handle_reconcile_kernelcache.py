@@ -8,6 +8,10 @@ object in between (another reconcile of it), the write gets 409 and the reconcil
 over from a fresh read. So a stale view never overwrites a newer one, and only the
 reconcile whose write lands posts the events of the transitions it made.
 
+What is published is also kept in a record ConfigMap named after the KernelCache (not its
+uid), like its data on the store: a KernelCache re-created under the name starts its status
+from it, showing the generations its pods load before its own Jobs have run.
+
 A spec that fails validation (a cross-field rule the CRD schema cannot express) is not an
 error of the operator: the KernelCache gets phase Failed and a condition naming the field,
 and nothing is created for it.
@@ -119,6 +123,8 @@ def _reconcile_once(
     current = state.jobs_by_arch(jobs, digest)
     previous_current = previous.get("observedGeneration") == generation
     before = {a.get("arch"): a for a in previous.get("arches") or []}
+    if not before:  # a new object: what an earlier one of this name published still serves
+        before = _recorded(kube, kc)
     policy = state.RetryPolicy(
         config.max_attempts, config.retry_backoff_seconds, config.retry_backoff_max_seconds
     )
@@ -150,7 +156,32 @@ def _reconcile_once(
                 events.append(state.Event("Normal", "JobCreated", message))
         plans.append(plan)
     status = state.summarize(plans, generation, previous, now)
-    return _write(kube, body, previous, status, "ok", events, plans)
+    reconciled = _write(kube, body, previous, status, "ok", events, plans)
+    if state.published(status) != state.published(previous):
+        _record(kube, kc, uid, state.published(status))
+    return reconciled
+
+
+def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
+    """The arches an earlier KernelCache of this name published to this claim, by its record."""
+    try:
+        record = kube.get(
+            path("v1", "configmaps", kc.metadata.namespace, manifests.record_name(kc))
+        )
+    except ApiError as exc:
+        if exc.status == 404:
+            return {}
+        raise
+    text = (record.get("data") or {}).get(manifests.RECORD_FILE)
+    return state.recorded(text, manifests.claim_name(kc))
+
+
+def _record(kube: Kube, kc: KernelCache, uid: str, arches: dict[str, Any]) -> None:
+    """Keep the published record in line with the status just written."""
+    record = manifests.published_record(kc, uid, arches)
+    if not kube.create(path("v1", "configmaps", kc.metadata.namespace), record):
+        name = record["metadata"]["name"]
+        kube.patch(path("v1", "configmaps", kc.metadata.namespace, name), {"data": record["data"]})
 
 
 def _prepare(kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str) -> None:
