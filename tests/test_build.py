@@ -323,12 +323,14 @@ def test_a_reverted_spec_makes_its_kept_generation_current_without_building(tmp_
 
 
 def mixed_fleet(tmp_path: Path, b12x_classes: list[str] | None) -> Path:
-    """The b12x example with an H100 class added, built by a warmer of its own."""
+    """The b12x example with an H100 class added, built by a warmer of its own; the b12x
+    warmer names ``b12x_classes`` (None: none, so it is for every class)."""
     kc = yaml.safe_load((EXAMPLES / "b12x-blackwell-consumer.yaml").read_text())
     kc["spec"]["gpuClasses"].append(
         {"name": "h100", "arch": "sm_90a", "nodeSelector": {"nvidia.com/gpu.product": "H100"}}
     )
     (b12x,) = kc["spec"]["warmers"]
+    b12x.pop("gpuClasses", None)  # the example names the classes already
     if b12x_classes is not None:
         b12x["gpuClasses"] = b12x_classes
     script = "import os, pathlib; pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').touch()"

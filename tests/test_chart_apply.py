@@ -129,5 +129,5 @@ def test_rendered_chart_applies_server_side_then_the_example_kernelcache(
     out = kubectl(tmp_path, *APPLY, "-f", str(EXAMPLE))
     assert out.strip() == "kernelcache.kernelcache.dev/demo serverside-applied"
     rows = [line.split() for line in kubectl(tmp_path, "get", "kc", "demo").splitlines()]
-    assert rows[0] == ["NAME", "MODEL", "READY", "PHASE", "AGE"]
+    assert rows[0] == ["NAME", "MODEL", "SERVING", "READY", "PHASE", "AGE"]
     assert rows[1][:2] == ["demo", "example/elementwise-and-tiled"]
