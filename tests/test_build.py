@@ -266,7 +266,7 @@ def test_unknown_arch_is_refused_naming_the_declared_ones(tmp_path):
 
 
 def test_help_lists_the_exit_codes():
-    proc = kernelcache("verify", "--help")
+    proc = kernelcache("--help")
     assert proc.returncode == 0
     for code in ExitCode:
         assert f"{int(code):>2}  " in proc.stdout

@@ -10,6 +10,7 @@ reverted spec or image: nothing compiled), else warms into a staging dir and pub
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,10 +18,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernelcache import progress
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, StorageError, one_line
 from kernelcache.spec import KernelCache
@@ -46,12 +48,16 @@ class ArchResult:
     seconds: float = 0.0
     exit_code: int = 0
     message: str = ""
+    # Per warmer type of this warm: compiled, seconds, files, bytes (empty when up-to-date).
+    toolchains: list[dict[str, Any]] = field(default_factory=list)
+    # Every kernel compiled, with its seconds (``progress.KernelTiming``), in order.
+    kernels: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_manifest(
         cls, arch: str, status: str, manifest: Manifest, seconds: float
     ) -> ArchResult:
-        compiled = sum(w.get("compiled", 0) for w in manifest.report.get("warmers", []))
+        warmers = manifest.report.get("warmers", []) if status == "published" else []
         return cls(
             arch=arch,
             status=status,
@@ -59,9 +65,25 @@ class ArchResult:
             stamp=manifest.stamp["digest"],
             files=len(manifest.files),
             bytes=manifest.total_bytes,
-            compiled=compiled if status == "published" else 0,
+            compiled=sum(w.get("compiled", 0) for w in warmers),
             seconds=round(seconds, 3),
+            toolchains=toolchain_totals(warmers),
+            kernels=[t.to_dict() for t in progress.timings()] if status == "published" else [],
         )
+
+
+def toolchain_totals(warmer_reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The warm report's warmers summed per type (a warmer's label starts with its type)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for report in warmer_reports:
+        kind = str(report.get("warmer", "?")).split(" ", 1)[0]
+        total = totals.setdefault(
+            kind, {"toolchain": kind, "compiled": 0, "seconds": 0.0, "files": 0, "bytes": 0}
+        )
+        for name in ("compiled", "files", "bytes"):
+            total[name] += int(report.get(name, 0))
+        total["seconds"] = round(total["seconds"] + float(report.get("seconds", 0.0)), 3)
+    return list(totals.values())
 
 
 def workload_of(kc: KernelCache, arch: str) -> list[dict[str, Any]]:
@@ -108,7 +130,11 @@ def warm_arch(
         ask_triton=True,
     )
     key = cache_key(kc, arch)
-    with store.writer(key) as writer:
+
+    def waiting(holder: str) -> None:
+        progress.note(f"{key}: waiting for the writer lock ({holder})")
+
+    with store.writer(key, on_wait=waiting) as writer:
         current = writer.current_manifest()
         if current is not None and current.stamp.get("digest") == stamp.digest and not force:
             return ArchResult.from_manifest(
@@ -142,46 +168,77 @@ def build(
     signing_key_path: Path | None = None,
     force: bool = False,
     on_start: Callable[[str], None] = lambda arch: None,
+    on_output: Callable[[str, str], None] = lambda arch, line: None,
     on_done: Callable[[ArchResult], None] = lambda result: None,
 ) -> list[ArchResult]:
-    """Run ``kernelcache warm`` for each arch in its own process, one after another."""
+    """Run ``kernelcache warm`` for each arch in its own process, one after another.
+
+    ``on_output`` gets every line the warm process prints (its warmers' too), as it prints
+    it, except its final error line: that becomes the failed result's message.
+    """
     results = []
     for arch in arches:
         on_start(arch)
-        result = _warm_in_subprocess(spec_path, store_root, arch, signing_key_path, force)
+        result = _warm_in_subprocess(
+            spec_path, store_root, arch, signing_key_path, force, functools.partial(on_output, arch)
+        )
         on_done(result)
         results.append(result)
     return results
 
 
+# The warm process's failure line (cli.main): kept as the message, printed once by build.
+ERROR_PREFIX = "kernelcache: error: "
+INTERNAL_ERROR_PREFIX = "kernelcache: internal error: "
+
+
 def _warm_in_subprocess(
-    spec_path: Path, store_root: Path, arch: str, signing_key_path: Path | None, force: bool
+    spec_path: Path,
+    store_root: Path,
+    arch: str,
+    signing_key_path: Path | None,
+    force: bool,
+    on_output: Callable[[str], None],
 ) -> ArchResult:
     with tempfile.TemporaryDirectory(prefix="kernelcache-warm-") as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [
             sys.executable, "-m", "kernelcache", "warm",
             "-f", str(spec_path), "--store", str(store_root), "--arch", arch,
-            "--result", str(result_path),
+            "--result", str(result_path), "--progress",
         ]  # fmt: skip
         if signing_key_path is not None:
             cmd += ["--signing-key", str(signing_key_path)]
         if force:
             cmd.append("--force")
         start = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        errors: list[str] = []
+        ours = False  # the last failure line is kernelcache's own "error:" line
+        # One pipe for both streams keeps the warmers' lines in the order they printed them;
+        # unbuffered, so a line arrives when it is printed, not when the child exits.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(ERROR_PREFIX):
+                    errors.append(one_line(line.removeprefix(ERROR_PREFIX)))
+                    ours = True
+                elif line.startswith(INTERNAL_ERROR_PREFIX):
+                    errors.append(one_line(line.removeprefix("kernelcache: ")))
+                    ours = False
+                elif line.strip():
+                    on_output(line)
         if result_path.exists():
             return ArchResult(**json.loads(result_path.read_text()))
-        lines = [one_line(line) for line in proc.stderr.splitlines() if line.strip()]
-        last = lines[-1] if lines else ""
-        ours = last.startswith("kernelcache: error: ")
         return ArchResult(
             arch=arch,
             status="failed",
             seconds=round(time.perf_counter() - start, 3),
             exit_code=_failure_class(proc.returncode, ours),
-            message=last.removeprefix("kernelcache: error: ")
-            or f"warm process exited with {proc.returncode}",
+            message=errors[-1] if errors else f"warm process exited with {proc.returncode}",
         )
 
 

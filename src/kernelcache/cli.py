@@ -1,8 +1,9 @@
-"""The ``kernelcache`` command: build, warm, verify, explain, inspect, gc, keygen.
+"""The ``kernelcache`` command: build, warm, verify, explain, inspect, gc, doctor, keygen.
 
 Each subcommand makes one library call. Every failure prints one line naming the file,
 factor or field at fault and exits with the code of its class (listed in ``--help``); an
-unexpected error is reported the same way, never as a traceback.
+unexpected error is reported the same way, never as a traceback. How results are printed
+(tables, ``--json``, build progress) lives in ``kernelcache.output``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kernelcache import __version__, output
 from kernelcache.errors import (
     EXIT_CODE_HELP,
     ExitCode,
@@ -22,22 +25,13 @@ from kernelcache.errors import (
     SpecError,
     one_line,
 )
+from kernelcache.output import console as _console
 from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 
 
 def _exit_codes_epilog() -> str:
     rows = "\n".join(f"  {int(code):>2}  {text}" for code, text in EXIT_CODE_HELP.items())
-    return f"exit codes:\n{rows}"
-
-
-def _console(stderr: bool = False) -> Any:
-    """Rich output; wide when piped, so tables in logs and CI keep every column readable."""
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(
-        stderr=stderr, highlight=False, soft_wrap=True, width=None if stream.isatty() else 160
-    )
+    return f"exit codes (every command):\n{rows}"
 
 
 def _load_spec(path: Path) -> Any:
@@ -55,7 +49,7 @@ def _arches(kc: Any, requested: list[str] | None) -> list[str]:
         raise SpecError(
             f"--arch {unknown[0]}: not an arch of spec.gpuClasses (declared: {', '.join(declared)})"
         )
-    return requested
+    return list(dict.fromkeys(requested))  # an arch given twice is warmed once
 
 
 def _signing_key(path: Path | None) -> Any:
@@ -67,28 +61,16 @@ def _signing_key(path: Path | None) -> Any:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    """Warm every arch of a spec in its own process, seal and publish, then print a table."""
-    from rich.table import Table
+    """Warm every arch of a spec in its own process, seal and publish, then print a table.
 
+    What the warmers print streams to stderr as they print it, each kernel compiled with its
+    time; the tables (or --json) go to stdout, a failed arch's reason once to stderr.
+    """
     from kernelcache import build
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
-    err = _console(stderr=True)
-    status = err.status("")
-    status.start()
-
-    def started(arch: str) -> None:
-        status.update(f"warming {kc.metadata.name} for {arch} …")
-
-    def done(result: build.ArchResult) -> None:
-        from rich.markup import escape
-
-        mark = "[red]✗[/]" if result.status == "failed" else "[green]✓[/]"
-        detail = result.message if result.status == "failed" else f"{result.files} files"
-        line = f"{result.arch}: {result.status} in {result.seconds:.1f} s ({one_line(detail)})"
-        err.print(f"{mark} {escape(line)}")
-
+    view = output.BuildView(kc)
     try:
         results = build.build(
             args.file.resolve(),
@@ -96,40 +78,35 @@ def cmd_build(args: argparse.Namespace) -> int:
             arches,
             signing_key_path=args.signing_key,
             force=args.force,
-            on_start=started,
-            on_done=done,
+            on_start=view.started,
+            on_output=view.line,
+            on_done=view.done,
         )
     finally:
-        status.stop()
-    table = Table(title=f"kernelcache build {kc.metadata.namespace}/{kc.metadata.name}")
-    for column in ("arch", "status", "generation", "files", "bytes", "compiled", "seconds"):
-        table.add_column(column, justify="right" if column in ("files", "bytes") else "left")
-    for r in results:
-        table.add_row(
-            r.arch,
-            r.status,
-            (r.generation or "-")[:16],
-            str(r.files),
-            f"{r.bytes:,}",
-            str(r.compiled),
-            f"{r.seconds:.2f}",
-        )
-    _console().print(table)
+        view.close()
+    code = build.result_exit_code(results)
+    if args.json:
+        output.print_json(output.build_json(kc, results, code))
+    else:
+        for table in output.build_tables(kc, results):
+            _console().print(table)
     for r in results:
         if r.status == "failed":
             print(f"kernelcache: error: {r.arch}: {one_line(r.message)}", file=sys.stderr)
-    return build.result_exit_code(results)
+    return code
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
     """Warm one arch into the store (what a compile Job runs)."""
-    from kernelcache import build
+    from kernelcache import build, progress
     from kernelcache.store import Store
 
     kc = _load_spec(args.file)
     (arch,) = _arches(kc, [args.arch])
     if args.result is not None:
         _check_output_dir(args.result, "--result")
+    if args.progress:
+        progress.show()
     result = build.warm_arch(
         kc,
         args.file.resolve().parent,
@@ -140,7 +117,12 @@ def cmd_warm(args: argparse.Namespace) -> int:
     )
     if args.result:
         build.write_result(args.result, result)
-    print(f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)")
+    if args.json:
+        output.print_json(asdict(result))
+    else:
+        print(
+            f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)"
+        )
     return 0
 
 
@@ -180,10 +162,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         line = initcontainer.error_line(exc)
         initcontainer.write_termination_log(log, line)
         print(line, file=sys.stderr)
-        return int(exc.code) if isinstance(exc, KernelCacheError) else int(ExitCode.FAILURE)
+        code = int(exc.code) if isinstance(exc, KernelCacheError) else int(ExitCode.FAILURE)
+        if args.json:
+            output.print_json({"ok": False, "error": {"exit_code": code, "message": line}})
+        return code
     for warning in outcome.warnings:
         print(f"kernelcache: warning: {warning}", file=sys.stderr)
-    print(outcome.summary)
+    if args.json:
+        output.print_json(output.verify_json(outcome))
+    else:
+        print(outcome.summary)
     return 0
 
 
@@ -237,14 +225,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
         generations["env"] = (stamps.environment_stamp(recorded), stamps.ENVIRONMENT_SIDE)
     (left, left_side), (right, right_side) = generations[args.left], generations[args.right]
     diffs = stamps.explain(left, right)
+    if args.json:
+        output.print_json(
+            {
+                "hit": not diffs,
+                "left": left.digest,
+                "right": right.digest,
+                "differences": [
+                    {"factor": d.name, "left": d.left, "right": d.right} for d in diffs
+                ],
+            }
+        )
+        return int(ExitCode.STAMP_MISMATCH) if diffs else 0
     if "env" not in (args.left, args.right):
         _explain_vllm(args.left, args.right)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
-        return 0
-    for diff in diffs:
-        print(diff.describe((left_side, right_side)))
-    return int(ExitCode.STAMP_MISMATCH)
+    else:
+        for diff in diffs:
+            print(diff.describe((left_side, right_side)))
+    return int(ExitCode.STAMP_MISMATCH) if diffs else 0
 
 
 def _explain_vllm(left: str, right: str) -> None:
@@ -306,10 +306,54 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """Remove old generations: the current one stays, and the N most recently current
     besides it (the rollback targets)."""
     store = _existing_store(args.store)
+    verb = "would remove" if args.dry_run else "removed"
+    keys = []
     for key in [_published_key(store, args.key)] if args.key else store.keys():
-        removed = store.gc(key, keep=args.keep)
-        print(f"{key}: removed {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
+        removed = store.gc(key, keep=args.keep, dry_run=args.dry_run)
+        keys.append({"key": key, "removed": removed})
+        if not args.json:
+            print(f"{key}: {verb} {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
+    if args.json:
+        output.print_json({"dry_run": args.dry_run, "keep": args.keep, "keys": keys})
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check this environment before anything runs: GPU and arch, toolchains, cache variables,
+    the start-up hook, and against a generation the stamp factors that would make it miss.
+
+    The generation is a generation dir or MANIFEST.json, or the current one of -f SPEC in
+    --store for this arch; -f alone checks the toolchains the spec's warmers need.
+    """
+    from kernelcache import doctor
+    from kernelcache.store import Store
+
+    manifest, warmer_types = None, None
+    if args.generation is not None:
+        manifest = _manifest_of(args.generation, None)
+    if args.file is not None:
+        kc = _load_spec(args.file)
+        warmer_types = [w.type for w in kc.spec.warmers]
+        if args.store is not None:
+            from kernelcache import build, stamp
+
+            arch = stamp.detect_arch(args.arch)
+            manifest = Store(args.store).current_manifest(build.cache_key(kc, arch))
+            if manifest is None:
+                raise MissingGenerationError(
+                    f"{build.cache_key(kc, arch)}: no published generation in {args.store}"
+                )
+    report = doctor.diagnose(
+        manifest=manifest,
+        warmer_types=warmer_types,
+        arch=args.arch,
+        need_arch=manifest is not None or args.arch is not None,
+    )
+    if args.json:
+        output.print_json(report.to_dict())
+    else:
+        _console().print(output.doctor_table(report))
+    return report.exit_code
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -322,6 +366,17 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         "signing Secret: kubectl create secret generic NAME "
         f"--from-file={private} --from-file={public}"
     )
+    return 0
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """Print a completion script generated from this parser.
+
+    bash: eval "$(kernelcache completion bash)"; zsh: eval "$(kernelcache completion zsh)".
+    """
+    from kernelcache.completion import script
+
+    print(script(build_parser(), args.shell))
     return 0
 
 
@@ -390,14 +445,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_exit_codes_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kernelcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str) -> Any:
         p = sub.add_parser(
             name,
             help=help_text,
-            description=func.__doc__,
-            epilog=_exit_codes_epilog(),
+            description=output.plain_help(func.__doc__),
+            epilog="exit codes: see kernelcache --help",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.set_defaults(func=func)
@@ -406,12 +462,18 @@ def build_parser() -> argparse.ArgumentParser:
     def store_arg(p: Any) -> None:
         p.add_argument("--store", type=_path, required=True, help="store root (the PV mount)")
 
+    def json_arg(p: Any, schema: str) -> None:
+        p.add_argument(
+            "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"
+        )
+
     p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", action="append", help="only this arch (repeatable)")
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    json_arg(p, "build.json")
 
     p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)")
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
@@ -420,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     p.add_argument("--result", type=_path, help="write the result as JSON here")
+    p.add_argument(
+        "--progress", action="store_true", help="print each warmer and kernel compiled to stderr"
+    )
+    json_arg(p, "warm.json")
 
     p = add("verify", cmd_verify, "verify this node's generation (the init-container's check)")
     store_arg(p)
@@ -472,17 +538,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write a failure here too (default: /dev/termination-log when writable)",
     )
+    json_arg(p, "verify.json")
 
     p = add("explain", cmd_explain, "name the factors that differ between two stamps")
     sides = "MANIFEST.json, generation dir, KEY or generation id (with --store), or 'env'"
     p.add_argument("left", help=sides)
     p.add_argument("right", help=sides)
     p.add_argument("--store", type=_path, help="store root to find a key or generation in")
+    json_arg(p, "explain.json")
 
     p = add("inspect", cmd_inspect, "list keys and generations of a store")
     store_arg(p)
     p.add_argument("key", nargs="?", help="NAMESPACE/NAME/ARCH (default: all)")
-    p.add_argument("--json", action="store_true", help="machine-readable, with warm reports")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON, with warm reports (schema: docs/cli-schemas/inspect.json)",
+    )
 
     p = add("gc", cmd_gc, "remove old generations (never the current one)")
     store_arg(p)
@@ -490,9 +562,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep", type=_non_negative, default=2, help="kept besides the current (default 2)"
     )
+    p.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
+    json_arg(p, "gc.json")
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+
+    p = add("doctor", cmd_doctor, "check this environment against a generation or a spec")
+    p.add_argument("generation", nargs="?", help="generation dir or MANIFEST.json to check against")
+    p.add_argument("-f", "--file", type=_path, help="KernelCache YAML: its warmers' toolchains")
+    p.add_argument("--store", type=_path, help="with -f: check against the current generation")
+    p.add_argument("--arch", help="this node's SM arch (else CUTE_DSL_ARCH, else the GPU)")
+    json_arg(p, "doctor.json")
 
     p = add(
         "keygen",
@@ -503,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "dir", type=_path, help=f"directory for {SIGNING_KEY_FILE} and {PUBLIC_KEY_FILE}"
     )
+
+    p = add("completion", cmd_completion, "print a shell completion script")
+    p.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete for")
     return parser
 
 

@@ -1364,8 +1364,16 @@ class Store:
         return sorted(found, key=lambda g: (_created_or_oldest(g[1]), g[0].name))
 
     @contextmanager
-    def writer(self, key: str, timeout: float | None = None) -> Iterator[Writer]:
-        """Hold the key's writer lock; waits at most timeout seconds (None: forever)."""
+    def writer(
+        self,
+        key: str,
+        timeout: float | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> Iterator[Writer]:
+        """Hold the key's writer lock; waits at most timeout seconds (None: forever).
+
+        ``on_wait`` is told who holds the lock when it is taken, before the wait begins.
+        """
         key_dir = self.key_dir(key)
         lock_path = key_dir / LOCK_NAME
         self._check_key_path(key)  # never publish into another key through a symlink
@@ -1377,6 +1385,8 @@ class Store:
             # Not through a symlink: the holder truncates the lock file to write its pid.
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
+            if on_wait is not None and not _try_lock(fd, lock_path):
+                on_wait(_holder(fd))
             _lock(fd, lock_path, key, timeout)
             _remove_transient(key_dir)
             writer = Writer(self, key)
@@ -1387,11 +1397,14 @@ class Store:
         finally:
             os.close(fd)  # releases the lock
 
-    def gc(self, key: str, keep: int, timeout: float | None = None) -> list[str]:
+    def gc(
+        self, key: str, keep: int, timeout: float | None = None, dry_run: bool = False
+    ) -> list[str]:
         """Remove all generations but the one CURRENT names and the `keep` most recently
-        current besides it (``rollback_order``)."""
+        current besides it (``rollback_order``); ``dry_run`` removes nothing and returns what
+        would be removed."""
         with self.writer(key, timeout=timeout):
-            return self._gc_locked(key, keep)
+            return self._gc_locked(key, keep, dry_run)
 
     def rollback_order(self, key: str) -> list[tuple[Path, Manifest | None]]:
         """The key's generations other than the current one, the most recently current first
@@ -1402,13 +1415,14 @@ class Store:
         others = [g for g in self._generation_dirs(key) if g[0].name != current]
         return sorted(others, key=lambda g: (_last_current(g, history), g[0].name), reverse=True)
 
-    def _gc_locked(self, key: str, keep: int) -> list[str]:
+    def _gc_locked(self, key: str, keep: int, dry_run: bool = False) -> list[str]:
         if keep < 0:
             raise ValueError(f"keep must be >= 0, not {keep}")
         key_dir = self.key_dir(key)
         removed = []
         for path, _ in self.rollback_order(key)[keep:]:
-            _trash(key_dir, path)
+            if not dry_run:
+                _trash(key_dir, path)
             removed.append(path.name)
         return removed
 
@@ -1489,6 +1503,17 @@ def _last_current(
     created = _created_or_oldest(manifest)
     replaced = history.get(path.name)
     return max(created, replaced) if replaced is not None else created
+
+
+def _try_lock(fd: int, lock_path: Path) -> bool:
+    """Take the lock if it is free; False when another writer holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        raise _storage_error(exc, lock_path) from exc
+    return True
 
 
 def _lock(fd: int, lock_path: Path, key: str, timeout: float | None) -> None:

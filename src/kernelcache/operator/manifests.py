@@ -274,6 +274,7 @@ def compile_job(
     command = [
         "kernelcache", "warm", "-f", f"{SPEC_DIR}/{SPEC_FILE}",
         "--store", config.store_mount_path, "--arch", arch, "--result", TERMINATION_LOG,
+        "--progress",  # each warmer and kernel in the Job's log
     ]  # fmt: skip
     mounts = [
         {"name": "store", "mountPath": config.store_mount_path},

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kernelcache import progress
 from kernelcache.errors import WarmError, one_line
 from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.spec import GpuClass
@@ -272,7 +273,10 @@ def run_warmers(
     """
     reports = []
     start = time.perf_counter()
-    for index, warmer in zip(positions or range(len(warmers)), warmers, strict=True):
+    for done, (index, warmer) in enumerate(
+        zip(positions or range(len(warmers)), warmers, strict=True), 1
+    ):
+        progress.note(f"warmer {done}/{len(warmers)} {warmer.label} for {arch}")
         seconds = warmer.config.timeout_seconds
         late = f"spec.warmers[{index}] ({warmer.label}) ran past timeoutSeconds={seconds}"
         with deadline(seconds, f"{late} for {arch}"):

@@ -46,6 +46,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kernelcache import progress
 from kernelcache.errors import WarmError
 from kernelcache.spec import B12xWorkload, GpuClass
 from kernelcache.warm import (
@@ -435,6 +436,7 @@ def compile_all(kernels: list[Recorded], workers: int, cute_dir: Path) -> None:
                     raise WarmError(f"b12x warmer: {what}: {error}")
                 kernels[index].seconds = seconds
                 _progress(f"b12x: [{done}/{len(kernels)}] {kernels[index].name} {seconds:.1f}s")
+                progress.compiled("b12x", kernels[index].name, seconds)
     finally:
         _pending, _pending_cute_dir = [], None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from kernelcache import progress
 from kernelcache.errors import WarmError
 from kernelcache.warm import CACHE_ENV, Warmer, WarmerReport, call_entry_points, dir_usage
 
@@ -26,6 +27,15 @@ class CuteDslWarmer(Warmer):
         report = WarmerReport(warmer=self.label)
         start = time.perf_counter()
         cute_cache.install()
+        previous = cute_cache.on_event
+
+        def on_event(kind: str, name: str, seconds: float | None) -> None:
+            if kind == "compile" and seconds is not None:
+                progress.compiled(self.type, name, seconds)
+            if previous is not None:
+                previous(kind, name, seconds)
+
+        cute_cache.on_event = on_event
         try:
             with cute_cache.cache_dir(target) as cache:
                 report.kernels = call_entry_points(
@@ -38,6 +48,7 @@ class CuteDslWarmer(Warmer):
                     )
                 report.compiled = cache.stats.misses
         finally:
+            cute_cache.on_event = previous
             cute_cache.uninstall()
         report.seconds = round(time.perf_counter() - start, 3)
         usage = dir_usage(files_dir).get(SUBDIR, {"files": 0, "bytes": 0})

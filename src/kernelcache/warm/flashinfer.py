@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kernelcache import progress
 from kernelcache.errors import WarmError
 from kernelcache.warm import (
     CACHE_ENV,
@@ -307,6 +308,9 @@ class FlashInferWarmer(Warmer):
             }
         report.aot = aot_layout(workspace, base / AOT_SUBDIR)
         report.builds = [asdict(r) for r in records if not r.noop]
+        for record in records:  # the build log is read after the entry points return
+            if not record.noop:
+                progress.compiled(f"flashinfer/{record.toolchain}", record.name, record.seconds)
         report.noops = [asdict(r) for r in records if r.noop]
         report.compiled = len(report.builds)
         report.seconds = round(time.perf_counter() - start, 3)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernelcache import progress
 from kernelcache.errors import WarmError
 from kernelcache.warm import (
     CACHE_ENV,
@@ -126,6 +127,9 @@ class TritonWatch:
         def listener(*, src: Any, cache_hit: bool, **kwargs: Any) -> None:
             if not cache_hit:
                 self.compiled.append(src.name)
+                times = kwargs.get("times")
+                seconds = times.total / 1e6 if times is not None else 0.0  # microseconds
+                progress.compiled("triton", src.name, seconds)
             if previous is not None:
                 previous(src=src, cache_hit=cache_hit, **kwargs)
 

@@ -1,0 +1,218 @@
+"""``kernelcache doctor``: this environment checked against a generation or a spec.
+
+Before anything runs (a warm, a serving pod) it says what the tools will see: the GPU and its
+arch, which toolchains import and at which version, where each cache variable points and
+whether it can be written, whether the start-up hook is installed, and, against a
+generation, exactly the stamp factors that would make it miss. Every check is a row with a
+status; a failed row carries the exit code of its class, and the first one is the command's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import site
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernelcache import stamp as stamps
+from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
+from kernelcache.warm import CACHE_ENV
+
+# Toolchain -> (distribution, module imported to prove it works). The warmer types name them.
+TOOLCHAINS: dict[str, tuple[str, str]] = {
+    "cute-dsl": ("nvidia-cutlass-dsl", "cutlass"),
+    "triton": ("triton", "triton"),
+    "torch-compile": ("torch", "torch"),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+    "b12x": ("flashinfer-python", "flashinfer"),
+}
+# A generation's files/<subdir> -> the toolchain that reads it.
+SUBDIR_TOOLCHAINS = {
+    "cute-dsl": "cute-dsl",
+    "triton": "triton",
+    "inductor": "torch-compile",
+    "torch-compile": "torch-compile",
+    "flashinfer": "flashinfer",
+}
+HOOK_FILE = "kernelcache_runtime.pth"
+IMPORT_TIMEOUT_S = 300
+
+# Imports each module in one child (a broken toolchain can crash or hang its importer).
+_IMPORT_PROBE = """
+import importlib, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        out[name] = None
+    except BaseException as exc:
+        out[name] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Check:
+    """One row: ``status`` is ok, warn or fail; a failed row carries its exit code."""
+
+    check: str
+    status: str
+    detail: str
+    exit_code: int = 0
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    differences: list[dict[str, str | None]] = field(default_factory=list)
+
+    def add(self, check: str, status: str, detail: str, code: ExitCode = ExitCode.OK) -> None:
+        self.checks.append(Check(check, status, detail, int(code)))
+
+    @property
+    def exit_code(self) -> int:
+        return next((c.exit_code for c in self.checks if c.status == "fail"), 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.exit_code == 0,
+            "exit_code": self.exit_code,
+            "checks": [asdict(c) for c in self.checks],
+            "differences": self.differences,
+        }
+
+
+def diagnose(
+    *,
+    manifest: Any = None,
+    warmer_types: list[str] | None = None,
+    arch: str | None = None,
+    need_arch: bool = False,
+) -> Report:
+    """Every check; ``manifest`` (a generation's) adds the stamp comparison, ``warmer_types``
+    (a spec's) names the toolchains that must import. ``need_arch``: no arch is a failure."""
+    report = Report()
+    seen_arch = _check_gpu(report, arch, need_arch)
+    toolchains = warmer_types or []
+    if manifest is not None:
+        subdirs = {f.path.split("/", 1)[0] for f in manifest.files}
+        toolchains += [SUBDIR_TOOLCHAINS[s] for s in sorted(subdirs) if s in SUBDIR_TOOLCHAINS]
+    _check_toolchains(report, list(dict.fromkeys(toolchains)) or list(TOOLCHAINS), bool(toolchains))
+    _check_cache_env(report)
+    _check_hook(report)
+    if manifest is not None:
+        _check_stamp(report, manifest, seen_arch)
+    return report
+
+
+def _check_gpu(report: Report, arch: str | None, need_arch: bool) -> str | None:
+    try:
+        seen = stamps.detect_arch(arch)
+    except NoGpuInfoError as exc:
+        status = "fail" if need_arch else "warn"
+        report.add("gpu", status, exc.message, ExitCode.NO_GPU_INFO)
+        return None
+    product = stamps.detect_gpu_product(seen)
+    source = "given" if arch else ("CUTE_DSL_ARCH" if os.environ.get("CUTE_DSL_ARCH") else "GPU")
+    report.add("gpu", "ok", f"arch {seen} ({source}), product {product or 'none seen'}")
+    return seen
+
+
+def _check_toolchains(report: Report, toolchains: list[str], required: bool) -> None:
+    modules = sorted({TOOLCHAINS[t][1] for t in toolchains if t in TOOLCHAINS})
+    failures = _import(modules)
+    for toolchain in toolchains:
+        if toolchain not in TOOLCHAINS:
+            report.add(f"toolchain/{toolchain}", "ok", "runs a command: nothing to import")
+            continue
+        dist, module = TOOLCHAINS[toolchain]
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        error = failures.get(module)
+        if error is None and version is not None:
+            report.add(f"toolchain/{toolchain}", "ok", f"{dist}=={version}, import {module} ok")
+            continue
+        detail = f"{dist} is not installed" if version is None else f"import {module}: {error}"
+        status = "fail" if required else "warn"
+        report.add(f"toolchain/{toolchain}", status, detail, ExitCode.WARM_FAILED)
+
+
+def _import(modules: list[str]) -> dict[str, str | None]:
+    if not modules:
+        return {}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _IMPORT_PROBE, *modules],
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_TIMEOUT_S,
+            check=False,
+        )
+        result: dict[str, str | None] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return result
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return {m: f"the import probe did not finish within {IMPORT_TIMEOUT_S} s" for m in modules}
+
+
+def writable(path: Path) -> bool:
+    """Whether ``path`` can be written, or created (its nearest existing parent writable)."""
+    if path.exists():
+        return os.access(path, os.W_OK | os.X_OK if path.is_dir() else os.W_OK)
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def _check_cache_env(report: Report) -> None:
+    for var in CACHE_ENV:
+        value = os.environ.get(var)
+        if not value:
+            report.add(f"cache/{var}", "ok", "unset: the toolchain's default")
+        elif writable(Path(value)):
+            report.add(f"cache/{var}", "ok", f"{value} (writable)")
+        else:
+            report.add(f"cache/{var}", "warn", f"{value} (not writable: new kernels are not kept)")
+
+
+def _check_hook(report: Report) -> None:
+    # site runs only the .pth files directly in a site directory, not those on PYTHONPATH.
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    found = next((Path(d) / HOOK_FILE for d in dirs if (Path(d) / HOOK_FILE).is_file()), None)
+    if found is None:
+        detail = f"{HOOK_FILE} is in no site directory: call kernelcache.runtime.install()"
+        report.add("startup-hook", "warn", detail)
+    elif os.environ.get("KERNELCACHE_RUNTIME") == "1":
+        report.add("startup-hook", "ok", f"{found}, enabled (KERNELCACHE_RUNTIME=1)")
+    else:
+        report.add("startup-hook", "warn", f"{found}, off (KERNELCACHE_RUNTIME is not 1)")
+
+
+def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
+    recorded = stamps.Stamp.from_dict(manifest.stamp)
+    try:
+        here = stamps.environment_stamp(recorded, arch)
+    except KernelCacheError as exc:
+        report.add("stamp", "fail", exc.message, exc.code)
+        return
+    diffs = stamps.explain(recorded, here)
+    report.differences = [{"factor": d.name, "generation": d.left, "here": d.right} for d in diffs]
+    if not diffs:
+        report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")
+        return
+    named = "; ".join(d.describe() for d in diffs[:3]) + (
+        f" (+{len(diffs) - 3} more)" if diffs[3:] else ""
+    )
+    report.add(
+        "stamp",
+        "fail",
+        f"generation {manifest.generation} would miss: {named}",
+        ExitCode.STAMP_MISMATCH,
+    )

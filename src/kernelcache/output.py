@@ -1,0 +1,190 @@
+"""How the CLI prints: rich tables for people, JSON for scripts, live progress for builds.
+
+Tables and progress go through rich, which writes no escape codes when the stream is not a
+terminal; a build then prints one plain line per event, so CI logs stay readable. Every
+``--json`` payload has a JSON Schema under ``docs/cli-schemas/<command>.json``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kernelcache import progress
+
+if TYPE_CHECKING:
+    from kernelcache.build import ArchResult
+    from kernelcache.doctor import Report
+    from kernelcache.initcontainer import Outcome
+    from kernelcache.spec import KernelCache
+
+SLOWEST_SHOWN = 3
+
+
+def console(stderr: bool = False) -> Any:
+    """Rich output; wide when piped, so tables in logs and CI keep every column readable."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(
+        stderr=stderr, highlight=False, soft_wrap=True, width=None if stream.isatty() else 160
+    )
+
+
+def print_json(payload: Any) -> None:
+    print(json.dumps(payload, indent=1, sort_keys=True))
+
+
+def plain_help(doc: str | None) -> str | None:
+    """A docstring as help text: dedented, without reStructuredText's literal quotes."""
+    if doc is None:
+        return None
+    text = inspect.cleandoc(doc)
+    return re.sub(r"``([^`]+)``|`([^`]+)`", lambda m: m[1] or m[2], text)
+
+
+def build_json(kc: KernelCache, results: Sequence[ArchResult], exit_code: int) -> dict[str, Any]:
+    return {
+        "namespace": kc.metadata.namespace,
+        "name": kc.metadata.name,
+        "exit_code": exit_code,
+        "results": [asdict(r) for r in results],
+    }
+
+
+def verify_json(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "key": outcome.key,
+        "arch": outcome.arch,
+        "generation": outcome.manifest.generation,
+        "files": len(outcome.manifest.files),
+        "bytes": outcome.manifest.total_bytes,
+        "verify_seconds": round(outcome.verify_seconds, 3),
+        "materialized": str(outcome.materialized) if outcome.materialized else None,
+        "dropped": outcome.dropped,
+        "warnings": outcome.warnings,
+    }
+
+
+class BuildView:
+    """What ``kernelcache build`` shows while it runs: the warm processes' lines, each kernel
+    compiled with the elapsed time, and on a terminal a live line for the arch being warmed."""
+
+    def __init__(self, kc: KernelCache) -> None:
+        self.name = kc.metadata.name
+        self.err = console(stderr=True)
+        self.live = self.err.status("") if self.err.is_terminal else None
+        self.arch = ""
+        self.start = time.perf_counter()
+        self.compiled = 0
+        if self.live is not None:
+            self.live.start()
+
+    def _elapsed(self) -> str:
+        return f"{time.perf_counter() - self.start:.1f} s"
+
+    def _update(self) -> None:
+        if self.live is not None:
+            self.live.update(
+                f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled, "
+                f"{self._elapsed()}"
+            )
+
+    def started(self, arch: str) -> None:
+        self.arch, self.start, self.compiled = arch, time.perf_counter(), 0
+        self._update()
+        if self.live is None:
+            print(f"{arch}: warming {self.name}", file=sys.stderr, flush=True)
+
+    def line(self, arch: str, line: str) -> None:
+        timing = progress.parse(line)
+        if timing is None:
+            line = line.removeprefix("kernelcache: ")
+            shown = line if line.startswith(f"{arch}: ") else f"{arch}: {line}"
+            self.err.print(shown, markup=False, highlight=False)
+        else:
+            self.compiled += 1
+            self.err.print(
+                f"{arch}: [{self.compiled}] {timing.toolchain} {timing.kernel}: "
+                f"{timing.seconds:.2f} s (elapsed {self._elapsed()})",
+                markup=False,
+                highlight=False,
+            )
+        self._update()
+
+    def done(self, result: ArchResult) -> None:
+        if result.status == "failed":
+            detail = f"exit {result.exit_code}"
+        else:
+            detail = f"{result.files} files, {result.compiled} compiled"
+        mark = "✗" if result.status == "failed" else "✓"
+        self.err.print(
+            f"{mark} {result.arch}: {result.status} in {result.seconds:.1f} s ({detail})",
+            markup=False,
+            highlight=False,
+        )
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
+    """The per-arch table and, when anything was compiled, the per-toolchain summary."""
+    from rich.table import Table
+
+    table = Table(title=f"kernelcache build {kc.metadata.namespace}/{kc.metadata.name}")
+    for column in ("arch", "status", "generation", "files", "bytes", "compiled", "seconds"):
+        table.add_column(column, justify="right" if column in ("files", "bytes") else "left")
+    for r in results:
+        table.add_row(
+            r.arch,
+            r.status,
+            (r.generation or "-")[:16],
+            str(r.files),
+            f"{r.bytes:,}",
+            str(r.compiled),
+            f"{r.seconds:.2f}",
+        )
+    tables = [table]
+    rows = [(r.arch, t, r.kernels) for r in results for t in r.toolchains]
+    if rows:
+        summary = Table(title="compiled per toolchain")
+        for column in ("arch", "toolchain", "kernels", "seconds", "bytes", "slowest"):
+            summary.add_column(column, justify="right" if column == "bytes" else "left")
+        for arch, total, kernels in rows:
+            summary.add_row(
+                arch,
+                total["toolchain"],
+                str(total["compiled"]),
+                f"{total['seconds']:.2f}",
+                f"{total['bytes']:,}",
+                slowest(kernels, total["toolchain"]),
+            )
+        tables.append(summary)
+    return tables
+
+
+def slowest(kernels: Sequence[dict[str, Any]], toolchain: str) -> str:
+    """The slowest kernels of one toolchain (``flashinfer`` covers ``flashinfer/nvcc``)."""
+    mine = [k for k in kernels if k["toolchain"].split("/", 1)[0] == toolchain]
+    mine.sort(key=lambda k: -k["seconds"])
+    return ", ".join(f"{k['kernel']} {k['seconds']:.2f} s" for k in mine[:SLOWEST_SHOWN]) or "-"
+
+
+def doctor_table(report: Report) -> Any:
+    from rich.table import Table
+
+    table = Table(title="kernelcache doctor")
+    for column in ("check", "status", "detail"):
+        table.add_column(column)
+    for check in report.checks:
+        table.add_row(check.check, check.status, check.detail)
+    return table

@@ -1,0 +1,245 @@
+"""The CLI's surface through the real ``kernelcache`` in fresh processes: ``--json`` checked
+against the schemas in ``docs/cli-schemas``, build's streamed output and summary, gc
+``--dry-run``, ``--version``, help text and shell completion.
+
+One store is built once for the module (two arches of the example CuTe-DSL kernels plus a
+command warmer that prints): every read-only test reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kernelcache import __version__
+from kernelcache.errors import ExitCode
+from kernelcache.store import Store
+from tests.conftest import REPO, needs_cute, run_kernelcache, subprocess_env, wait_until
+from tests.test_build import write_spec
+
+SCHEMAS = REPO / "docs" / "cli-schemas"
+# A command warmer that prints, then waits for the test's go-ahead file: its line must reach
+# build's stderr while the warm is still running, not when it ends.
+ECHO_WARMER = (
+    "import os, pathlib, sys, time; "
+    "print('warm-up step 1 of the engine', flush=True); "
+    "go = pathlib.Path(os.environ['KERNELCACHE_TEST_GO']); "
+    "[time.sleep(0.05) for _ in range(2400) if not go.exists()]; "
+    "pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_bytes(b'x' * 10)"
+)
+
+
+def checked(command: str, stdout: str) -> Any:
+    """The JSON a command printed, validated against its schema."""
+    payload = json.loads(stdout)
+    schema = json.loads((SCHEMAS / f"{command}.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(payload, schema, cls=jsonschema.Draft202012Validator)
+    return payload
+
+
+def popen_kernelcache(*args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kernelcache", *args],
+        env=subprocess_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Any]:
+    """``build --json`` of both arches, its go-ahead given once the echo line streamed."""
+    tmp = tmp_path_factory.mktemp("cli")
+    spec = write_spec(tmp)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["warmers"].append(
+        {"type": "command", "command": [sys.executable, "-c", ECHO_WARMER]}
+    )
+    spec.write_text(yaml.safe_dump(doc))
+    store, go = tmp / "store", tmp / "go"
+    proc = popen_kernelcache(
+        "build", "-f", str(spec), "--store", str(store), "--json", KERNELCACHE_TEST_GO=str(go)
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    streamed = []
+    for line in proc.stderr:
+        streamed.append(line)
+        if "warm-up step 1 of the engine" in line:
+            go.touch()  # seen while the warmer waits: streamed, not collected at the end
+    stdout = proc.stdout.read()
+    assert proc.wait(timeout=600) == 0, "".join(streamed)
+    return {"spec": spec, "store": store, "stdout": stdout, "stderr": "".join(streamed), "tmp": tmp}
+
+
+pytestmark = needs_cute
+
+
+def test_build_streams_the_warmers_output_and_kernels_as_plain_lines(built):
+    stderr = built["stderr"]
+    assert "sm_90a: warm-up step 1 of the engine" in stderr
+    assert "sm_120a: warm-up step 1 of the engine" in stderr
+    assert "sm_90a: [1] cute-dsl demo_kernels:add:" in stderr
+    assert "elapsed" in stderr
+    assert "\x1b" not in stderr  # piped: no escape codes
+
+
+def test_build_json_has_its_schema_and_a_summary_per_toolchain(built):
+    payload = checked("build", built["stdout"])
+    assert [r["arch"] for r in payload["results"]] == ["sm_120a", "sm_90a"]
+    for result in payload["results"]:
+        assert result["status"] == "published"
+        totals = {t["toolchain"]: t for t in result["toolchains"]}
+        assert totals["cute-dsl"]["compiled"] == 2 and totals["cute-dsl"]["bytes"] > 0
+        assert totals["command"]["files"] == 1
+        assert {k["kernel"] for k in result["kernels"]} == {
+            "demo_kernels:add",
+            "demo_kernels:scale_tiled",
+        }
+
+
+def test_build_table_names_the_slowest_kernels_per_toolchain(built):
+    proc = run_kernelcache(
+        "build", "-f", str(built["spec"]), "--store", str(built["tmp"] / "fresh"),
+        "--arch", "sm_90a", "--arch", "sm_90a",
+        KERNELCACHE_TEST_GO=str(built["tmp"] / "go"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled per toolchain" in proc.stdout
+    assert "demo_kernels:add" in proc.stdout.split("compiled per toolchain")[1]
+    assert proc.stderr.count("warming demo") == 1  # --arch twice warms once
+    assert proc.stdout.count("sm_90a") == 3  # one row per table, nothing for the repeat
+
+
+def test_a_failed_warm_says_why_once(tmp_path):
+    spec = write_spec(tmp_path, **{"warmers.0.entryPoints": ["demo_kernels:no_such_function"]})
+    proc = run_kernelcache(
+        "build", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a"
+    )
+    assert proc.returncode == ExitCode.WARM_FAILED
+    assert proc.stderr.count("cannot import") == 1, proc.stderr
+    assert "kernelcache: error: sm_90a: entry point demo_kernels:no_such_function" in proc.stderr
+    assert "error: kernelcache: error" not in proc.stderr
+
+
+def test_a_second_builder_says_it_waits_for_the_lock(built):
+    key = "default/demo/sm_90a"
+    with Store(built["store"]).writer(key):
+        proc = popen_kernelcache(
+            "build", "-f", str(built["spec"]), "--store", str(built["store"]), "--arch", "sm_90a"
+        )
+        assert proc.stderr is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr or []), daemon=True)
+        reader.start()
+        said = wait_until(
+            lambda: [line for line in lines if "waiting for the writer lock" in line],
+            timeout=120,
+            what="the waiting line",
+        )
+        assert proc.poll() is None  # still waiting while we hold the lock
+    assert proc.wait(timeout=120) == 0
+    assert key in said[0] and "pid" in said[0]
+
+
+def test_warm_verify_explain_inspect_json(built):
+    store, spec = str(built["store"]), str(built["spec"])
+    env = {"PYTHONPATH": f"{built['tmp']}:{subprocess_env()['PYTHONPATH']}"}
+    warm = run_kernelcache(
+        "warm", "-f", spec, "--store", store, "--arch", "sm_90a", "--json",
+        KERNELCACHE_TEST_GO=str(built["tmp"] / "go"),
+    )  # fmt: skip
+    assert warm.returncode == 0, warm.stderr
+    assert checked("warm", warm.stdout)["status"] == "up-to-date"
+
+    ok = run_kernelcache(
+        "verify", "--store", store, "-f", spec, "--arch", "sm_90a", "--json", **env
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert checked("verify", ok.stdout)["key"] == "default/demo/sm_90a"
+    missing = run_kernelcache("verify", "--store", store, "--key", "default/demo/sm_80", "--json")
+    assert missing.returncode == ExitCode.MISSING_GENERATION
+    failed = checked("verify", missing.stdout)
+    assert failed["ok"] is False and failed["error"]["exit_code"] == ExitCode.MISSING_GENERATION
+
+    gens = [Store(store).current(f"default/demo/{arch}") for arch in ("sm_90a", "sm_120a")]
+    differ = run_kernelcache("explain", str(gens[0]), str(gens[1]), "--json")
+    assert differ.returncode == ExitCode.STAMP_MISMATCH
+    diffs = checked("explain", differ.stdout)["differences"]
+    assert {"factor": "arch", "left": "sm_90a", "right": "sm_120a"} in diffs
+    same = run_kernelcache("explain", str(gens[0]), str(gens[0] / "MANIFEST.json"), "--json")
+    assert same.returncode == 0 and checked("explain", same.stdout)["hit"] is True
+
+    inspect = run_kernelcache("inspect", "--store", store, "--json")
+    assert inspect.returncode == 0
+    assert {row["key"] for row in checked("inspect", inspect.stdout)} == {
+        "default/demo/sm_90a",
+        "default/demo/sm_120a",
+    }
+
+
+def test_gc_dry_run_removes_nothing_and_names_what_would_go(tmp_path):
+    store = tmp_path / "store"
+    key = "default/demo/sm_90a"
+    for tiles in ([[32, 32]], [[64, 64]]):
+        spec = write_spec(tmp_path, **{"warmers.0.workload.tiles": tiles})
+        proc = run_kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+        assert proc.returncode == 0, proc.stderr
+    first = Store(store).generations(key)[0].generation
+    dry = run_kernelcache("gc", "--store", str(store), "--keep", "1", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert checked("gc", dry.stdout) == {
+        "dry_run": True,
+        "keep": 1,
+        "keys": [{"key": key, "removed": [first]}],
+    }
+    assert len(Store(store).generations(key)) == 2
+    text = run_kernelcache("gc", "--store", str(store), "--keep", "1", "--dry-run")
+    assert f"{key}: would remove 1 generation(s) {first}" in text.stdout
+    real = run_kernelcache("gc", "--store", str(store), "--keep", "1", "--json")
+    assert checked("gc", real.stdout)["keys"][0]["removed"] == [first]
+    assert [m.generation for m in Store(store).generations(key)] != [first]
+    assert len(Store(store).generations(key)) == 1
+
+
+def test_version():
+    proc = run_kernelcache("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kernelcache {__version__}"
+
+
+def test_exit_codes_once_in_the_top_help_and_help_without_rst():
+    top = run_kernelcache("--help")
+    for code in ExitCode:
+        assert f"{int(code):>2}  " in top.stdout
+    for command in ("build", "warm", "verify", "explain", "inspect", "gc", "doctor", "completion"):
+        page = run_kernelcache(command, "--help").stdout
+        assert "exit codes: see kernelcache --help" in page
+        assert " 12  " not in page and "``" not in page and ":func:" not in page, page
+
+
+def test_bash_completion_is_generated_from_the_parser():
+    script = run_kernelcache("completion", "bash").stdout
+
+    def complete(*words: str) -> list[str]:
+        line = " ".join(f"'{w}'" for w in words)
+        shell = (
+            f"{script}\nCOMP_WORDS=(kernelcache {line}); COMP_CWORD={len(words)}; "
+            'COMP_LINE="${COMP_WORDS[*]}"; _kernelcache; printf "%s\\n" "${COMPREPLY[@]}"'
+        )
+        proc = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+        return proc.stdout.split()
+
+    assert complete("bu") == ["build"]
+    assert "doctor" in complete("")
+    assert "--dry-run" in complete("gc", "--store", "s", "--")
+    assert complete("completion", "z") == ["zsh"]
+    zsh = run_kernelcache("completion", "zsh").stdout
+    assert zsh.startswith("autoload -U +X bashcompinit") and "complete -o filenames" in zsh
