@@ -12,8 +12,10 @@ import yaml
 
 from kernelcache.errors import ExitCode, SpecError
 from kernelcache.spec import (
+    API_DOCS_PATH,
     CRD_PATH,
     KernelCache,
+    api_reference,
     crd_manifest,
     crd_yaml,
     load_kernelcache,
@@ -384,6 +386,7 @@ def test_crd_keeps_constraints():
     assert gpu_class["nodeSelector"] == {
         "type": "object",
         "additionalProperties": {"type": "string"},
+        "description": "Labels of the nodes of this class (the compile Job's nodeSelector).",
     }
     warmer = spec["warmers"]["items"]["properties"]
     assert warmer["type"]["enum"] == [
@@ -410,3 +413,34 @@ def test_example_validates_against_the_crd_schema():
     bad["spec"]["warmers"] = []
     errors = {"/".join(map(str, e.absolute_path)) for e in validator.iter_errors(bad)}
     assert errors == {"spec/gpuClasses/0/arch", "spec/warmers"}
+
+
+def _fields(node: dict, path: str) -> list[tuple[str, dict]]:
+    """Every property of a structural schema, with its path, depth first."""
+    found = []
+    for name, child in node.get("properties", {}).items():
+        found.append((f"{path}.{name}", child))
+        found += _fields(child, f"{path}.{name}")
+    if "items" in node:
+        found += _fields(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        found += _fields(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+def test_every_crd_field_has_a_description():
+    root = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    fields = _fields(root, "kc")
+    assert len(fields) > 60
+    # metadata is the API server's ObjectMeta, explained by the server, with no constraints.
+    assert [path for path, node in fields if not node.get("description")] == ["kc.metadata"]
+
+
+def test_committed_api_reference_is_generated_from_the_models():
+    committed = (ROOT / API_DOCS_PATH).read_text()
+    assert committed == api_reference(), "regenerate with: make crds"
+    for path, _node in _fields(
+        crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], ""
+    ):
+        assert f"| `{path.rsplit('.', 1)[1].removesuffix('[]')}`" in committed, path
+    assert "| `hiddenSize` (required) | integer (>= 128; multiple of 128) |" in committed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import difflib
+import json
 import re
 import sys
 import typing
@@ -148,11 +149,17 @@ class Toleration(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(default=None, description="The taint key; empty matches every key.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Equal (the default) matches value; Exists any value."
+    )
+    value: str | None = Field(default=None, description="The taint value, with operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect to tolerate; empty tolerates every effect."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="With NoExecute: how long the pod stays once the taint appears."
+    )
 
 
 class Resources(BaseModel):
@@ -160,8 +167,12 @@ class Resources(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="What the scheduler reserves, e.g. cpu: 8, memory: 32Gi."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="The most the container may use, e.g. nvidia.com/gpu: 1."
+    )
 
 
 class GpuClass(BaseModel):
@@ -169,7 +180,9 @@ class GpuClass(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    name: str = Field(max_length=63, pattern=DNS1123_LABEL)
+    name: str = Field(
+        max_length=63, pattern=DNS1123_LABEL, description="Unique within the spec; names the Job."
+    )
     arch: Arch = Field(description="SM architecture kernels are compiled for, e.g. sm_90a.")
     gpu_product: str | None = Field(
         default=None, description="GPU product name, e.g. 'NVIDIA H200'; scopes autotune results."
@@ -194,9 +207,16 @@ class GpuClass(BaseModel):
             "or a CPU node (for warmers that cross-compile, such as cute-dsl and b12x)."
         ),
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the nodes of this class (the compile Job's nodeSelector).",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints of those nodes the compile Job tolerates."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="Requests and limits of the compile Job."
+    )
 
 
 WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command")
@@ -209,12 +229,16 @@ class B12xWorkload(BaseModel):
 
     experts: int = Field(ge=1, description="Experts of the model (global).")
     top_k: int = Field(ge=1, description="Experts routed per token.")
-    hidden_size: int = Field(ge=128, multiple_of=128)
+    hidden_size: int = Field(ge=128, multiple_of=128, description="The model's hidden size.")
     intermediate_size: int = Field(ge=16, description="The model's, before tensor parallelism.")
     tensor_parallel: int = Field(default=1, ge=1, description="Intermediate-size slices.")
     local_experts: int | None = Field(default=None, ge=1, description="Expert parallelism.")
-    activation: Literal["silu", "gelu_tanh", "swigluoai_uninterleave", "relu2"] = "silu"
-    quantization: Literal["nvfp4", "mxfp4", "w4a16"] = "nvfp4"
+    activation: Literal["silu", "gelu_tanh", "swigluoai_uninterleave", "relu2"] = Field(
+        default="silu", description="The experts' activation."
+    )
+    quantization: Literal["nvfp4", "mxfp4", "w4a16"] = Field(
+        default="nvfp4", description="The experts' weight format."
+    )
     max_num_tokens: int = Field(
         default=4096,
         ge=1,
@@ -343,7 +367,11 @@ class Warmer(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    type: Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command"]
+    type: Literal[
+        "cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command"
+    ] = Field(
+        description="The toolchain driven; docs/warmers/<type>.md shows each with a worked spec."
+    )
     entry_points: list[EntryPoint] = Field(
         default_factory=list,
         description="All but command: functions called with the workload that compile kernels.",
@@ -356,11 +384,16 @@ class Warmer(BaseModel):
             "FlashInfer module or tactics file); a declared one missing fails the warm."
         ),
     )
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment of the warm; the cache variables cannot be overridden.",
+    )
     workload: dict[str, Any] = Field(
         default_factory=dict, description="Free-form JSON passed to the entry points."
     )
-    timeout_seconds: int = Field(default=3600, ge=1)
+    timeout_seconds: int = Field(
+        default=3600, ge=1, description="Seconds this warmer may run; past them the warm fails (11)."
+    )
     gpu_classes: list[str] = Field(
         default_factory=list,
         description=(
@@ -416,11 +449,17 @@ class PvcTemplate(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    storage_class_name: str | None = None
-    size: Quantity = "50Gi"
+    storage_class_name: str | None = Field(
+        default=None, description="The claim's StorageClass; unset: the cluster's default."
+    )
+    size: Quantity = Field(default="50Gi", description="The claim's requested size.")
     access_modes: list[
         Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
-    ] = Field(default=["ReadWriteMany"], min_length=1)
+    ] = Field(
+        default=["ReadWriteMany"],
+        min_length=1,
+        description="ReadWriteMany lets compile Jobs and serving pods on many nodes share it.",
+    )
 
 
 class Storage(BaseModel):
@@ -428,8 +467,12 @@ class Storage(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    existing_claim: str | None = Field(default=None, min_length=1)
-    pvc: PvcTemplate | None = None
+    existing_claim: str | None = Field(
+        default=None, min_length=1, description="A PersistentVolumeClaim of this namespace to use."
+    )
+    pvc: PvcTemplate | None = Field(
+        default=None, description="A claim the operator creates (default: 50Gi ReadWriteMany)."
+    )
 
     @model_validator(mode="after")
     def _check_exactly_one(self) -> Storage:
@@ -443,7 +486,12 @@ class Retention(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    generations: int = Field(default=2, ge=1, le=20)
+    generations: int = Field(
+        default=2,
+        ge=1,
+        le=20,
+        description="Generations kept per arch, the current one always among them.",
+    )
     delete_data_on_delete: bool = Field(
         default=False, description="Delete the cache data (and a created PVC) with the KernelCache."
     )
@@ -460,8 +508,14 @@ class Signing(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    enabled: bool = False
-    secret_name: str | None = Field(default=None, min_length=1)
+    enabled: bool = Field(
+        default=False, description="Sign manifests; consumers then refuse unsigned ones."
+    )
+    secret_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Secret holding the key pair `kernelcache keygen` writes; required if enabled.",
+    )
 
     @model_validator(mode="after")
     def _check_secret(self) -> Signing:
@@ -483,7 +537,7 @@ class Verification(BaseModel):
             "failures always refuse."
         ),
     )
-    signing: Signing = Signing()
+    signing: Signing = Field(default=Signing(), description="Manifest signing.")
 
 
 class KernelCacheSpec(BaseModel):
@@ -492,12 +546,20 @@ class KernelCacheSpec(BaseModel):
     model_config = _SPEC_CONFIG
 
     model: str = Field(min_length=1, description="The served model, e.g. Qwen/Qwen3-30B-A3B.")
-    engine: Engine
-    gpu_classes: list[GpuClass] = Field(min_length=1)
-    warmers: list[Warmer] = Field(min_length=1)
-    storage: Storage = Storage(pvc=PvcTemplate())
-    retention: Retention = Retention()
-    verification: Verification = Verification()
+    engine: Engine = Field(description="The serving engine image the compile Jobs run in.")
+    gpu_classes: list[GpuClass] = Field(
+        min_length=1, description="The kinds of GPU node to build for; one generation per arch."
+    )
+    warmers: list[Warmer] = Field(
+        min_length=1, description="How kernels are compiled, run in order in each compile Job."
+    )
+    storage: Storage = Field(
+        default=Storage(pvc=PvcTemplate()), description="Where the generations are kept."
+    )
+    retention: Retention = Field(default=Retention(), description="How many generations to keep.")
+    verification: Verification = Field(
+        default=Verification(), description="How serving pods check a generation before use."
+    )
 
     @model_validator(mode="after")
     def _check_unique(self) -> KernelCacheSpec:
@@ -563,14 +625,20 @@ class ArchStatus(BaseModel):
 
     model_config = _STATUS_CONFIG
 
-    arch: str = Field(pattern=ARCH)  # as written by an operator that may know newer arches
-    phase: Literal["Pending", "Compiling", "Ready", "Failed"]
-    generation: str | None = None
-    stamp_digest: str | None = None
-    artifacts: int | None = None
-    bytes: int | None = None
-    compile_seconds: float | None = None
-    message: str | None = None
+    arch: str = Field(  # as written by an operator that may know newer arches
+        pattern=ARCH, description="The SM arch."
+    )
+    phase: Literal["Pending", "Compiling", "Ready", "Failed"] = Field(
+        description="Pending: no Job yet; Compiling: its Job runs; Ready: published; Failed."
+    )
+    generation: str | None = Field(default=None, description="The generation published.")
+    stamp_digest: str | None = Field(
+        default=None, description="Digest of its stamp (`kernelcache explain` compares them)."
+    )
+    artifacts: int | None = Field(default=None, description="Files in the generation.")
+    bytes: int | None = Field(default=None, description="Bytes in the generation.")
+    compile_seconds: float | None = Field(default=None, description="Seconds the warm took.")
+    message: str | None = Field(default=None, description="Why it failed, in one line.")
 
 
 class Condition(BaseModel):
@@ -578,12 +646,16 @@ class Condition(BaseModel):
 
     model_config = _STATUS_CONFIG
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str | None = None
-    message: str | None = None
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    type: str = Field(description="What the condition is about, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether it holds.")
+    reason: str | None = Field(default=None, description="One CamelCase word saying why.")
+    message: str | None = Field(default=None, description="Why, for a person.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation the condition was computed from."
+    )
 
 
 class KernelCacheStatus(BaseModel):
@@ -591,15 +663,22 @@ class KernelCacheStatus(BaseModel):
 
     model_config = _STATUS_CONFIG
 
-    phase: Literal["Pending", "Compiling", "Ready", "Failed", "Degraded"] | None = None
-    observed_generation: int | None = None
+    phase: Literal["Pending", "Compiling", "Ready", "Failed", "Degraded"] | None = Field(
+        default=None,
+        description="Ready: every arch published; Degraded: some; Failed: a spec or Job error.",
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this status describes."
+    )
     ready_arches: str | None = Field(default=None, description="Ready arches out of all, e.g. 2/3.")
     serving_arches: str | None = Field(
         default=None,
         description="Arches whose store names a generation pods load now, out of all, e.g. 2/3.",
     )
-    arches: list[ArchStatus] = Field(default_factory=list)
-    conditions: list[Condition] = Field(default_factory=list)
+    arches: list[ArchStatus] = Field(default_factory=list, description="One entry per arch.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Standard conditions (Ready)."
+    )
 
 
 class KernelCache(BaseModel):
@@ -607,11 +686,15 @@ class KernelCache(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    api_version: Literal["kernelcache.dev/v1alpha1"]
-    kind: Literal["KernelCache"]
-    metadata: ObjectMeta
-    spec: KernelCacheSpec
-    status: KernelCacheStatus | None = None
+    api_version: Literal["kernelcache.dev/v1alpha1"] = Field(
+        description="The versioned schema of this object: kernelcache.dev/v1alpha1."
+    )
+    kind: Literal["KernelCache"] = Field(description="KernelCache.")
+    metadata: ObjectMeta = Field(description="Standard object metadata (name, namespace).")
+    spec: KernelCacheSpec = Field(description="What to build, for which GPUs, kept where.")
+    status: KernelCacheStatus | None = Field(
+        default=None, description="What the operator observed; written by it alone."
+    )
 
 
 def _format_loc(loc: tuple[int | str, ...]) -> str:
@@ -769,7 +852,7 @@ def load_kernelcache(path: str | Path) -> KernelCache:
 _STRUCTURAL_KEYS = {
     "type", "description", "properties", "required", "items", "additionalProperties",
     "enum", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
-    "maxItems", "default", "x-kubernetes-preserve-unknown-fields",
+    "maxItems", "multipleOf", "default", "x-kubernetes-preserve-unknown-fields",
     "anyOf", "x-kubernetes-int-or-string",
 }  # fmt: skip
 
@@ -819,9 +902,13 @@ def crd_manifest() -> dict[str, Any]:
     """The CustomResourceDefinition for KernelCache, generated from the models."""
     schema = KernelCache.model_json_schema(by_alias=True)
     root = _structural(schema, schema.pop("$defs", {}))
-    # The API server owns these three; it rejects any constraint on metadata.
-    root["properties"].update(
-        apiVersion={"type": "string"}, kind={"type": "string"}, metadata={"type": "object"}
+    # The API server owns these three; it rejects any constraint on metadata, and explains
+    # metadata itself (ObjectMeta).
+    props = root["properties"]
+    props.update(
+        apiVersion={"type": "string", "description": props["apiVersion"]["description"]},
+        kind={"type": "string", "description": props["kind"]["description"]},
+        metadata={"type": "object"},
     )
     root["required"] = ["spec"]
     columns = [
@@ -872,14 +959,89 @@ def crd_yaml() -> str:
     return header + yaml.safe_dump(crd_manifest(), sort_keys=True, width=100)
 
 
+API_DOCS_PATH = "docs/api.md"
+
+
+def _type_of(node: dict[str, Any]) -> str:
+    """A schema node's type as the reference shows it: ``[]GpuClass``-like, with constraints."""
+    if node.get("x-kubernetes-int-or-string"):
+        kind = "integer or string"
+    else:
+        kind = node.get("type", "any")
+    if kind == "array":
+        kind = f"[]{_type_of(node['items']).split(' ', 1)[0]}"
+    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        kind = f"map[string]{_type_of(node['additionalProperties']).split(' ', 1)[0]}"
+    notes = []
+    if "enum" in node:
+        notes.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
+    if node.get("pattern") in _PATTERN_HINTS:
+        notes.append(_PATTERN_HINTS[node["pattern"]])
+    for key, shown in (("minimum", ">="), ("maximum", "<="), ("multipleOf", "multiple of"),
+                       ("minItems", "items >="),
+                       ("minLength", "length >="), ("maxLength", "length <=")):  # fmt: skip
+        if key in node:
+            notes.append(f"{shown} {node[key]}")
+    return f"{kind} ({'; '.join(notes)})" if notes else kind
+
+
+def _reference_sections(
+    node: dict[str, Any], path: str, sections: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """Depth first: every object with properties becomes one section, named by its path."""
+    sections.append((path, node))
+    for name, child in node.get("properties", {}).items():
+        while child.get("type") == "array":
+            child, name = child["items"], name + "[]"
+        if "properties" in child:
+            _reference_sections(child, f"{path}.{name}", sections)
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def api_reference() -> str:
+    """``docs/api.md``: every field of the CRD with its type, default and description."""
+    root = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    lines = [
+        "<!-- Generated from kernelcache.spec; do not edit. Regenerate with: make crds -->",
+        f"# API reference: {KIND} ({API_VERSION})",
+        "",
+        _cell(root.get("description", "")),
+        "Short name `kc`; `kubectl explain kc.spec` shows the same descriptions.",
+        "",
+    ]
+    sections: list[tuple[str, dict[str, Any]]] = []
+    _reference_sections(root, KIND, sections)
+    b12x = B12xWorkload.model_json_schema(by_alias=True)
+    sections.append(
+        ("b12x workload (spec.warmers[].workload of a b12x warmer)", _structural(b12x, {}))
+    )
+    for title, node in sections:
+        lines += [f"## `{title}`", "", _cell(node.get("description", "")), ""]
+        lines += ["| field | type | default | description |", "|---|---|---|---|"]
+        required = set(node.get("required", []))
+        for name, child in node["properties"].items():
+            shown = f"`{name}`" + (" (required)" if name in required else "")
+            default = f"`{json.dumps(child['default'])}`" if "default" in child else ""
+            description = _cell(child.get("description", ""))
+            lines.append(f"| {shown} | {_cell(_type_of(child))} | {default} | {description} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kernelcache.spec",
-        description="Print the KernelCache CRD generated from the models.",
+        description="Print the KernelCache CRD (or its API reference) generated from the models.",
     )
-    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the CRD")
+    parser.add_argument(
+        "--api-docs", action="store_true", help=f"the API reference ({API_DOCS_PATH})"
+    )
+    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not what is generated")
     args = parser.parse_args(argv)
-    expected = crd_yaml()
+    expected = api_reference() if args.api_docs else crd_yaml()
     if args.check is None:
         sys.stdout.write(expected)
         return 0
@@ -892,9 +1054,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pairs = zip_longest(actual.splitlines(keepends=True), expected.splitlines(keepends=True))
     line = next(i for i, (a, b) in enumerate(pairs, 1) if a != b)
+    what, flag = ("API reference", " --api-docs") if args.api_docs else ("CRD", "")
     print(
-        f"{args.check}: line {line} differs from the generated CRD; "
-        f"regenerate with: python -m kernelcache.spec > {args.check}",
+        f"{args.check}: line {line} differs from the generated {what}; "
+        f"regenerate with: python -m kernelcache.spec{flag} > {args.check}",
         file=sys.stderr,
     )
     return 1
