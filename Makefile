@@ -51,13 +51,14 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
 
-# The CRD, its API reference and the alert rules have one source each; the chart carries
-# copies (tests fail on drift).
+# The CRD, its API reference, the alert rules and the dashboard have one source each; the
+# chart carries copies (tests fail on drift).
 crds: $(VENV)/.installed
 	$(PY) -m kernelcache.spec > crds/kernelcache.dev_kernelcaches.yaml
 	$(PY) -m kernelcache.spec --api-docs > docs/api.md
 	cp crds/kernelcache.dev_kernelcaches.yaml charts/kernelcache/files/
 	cp prometheus/kernelcache-rules.yaml charts/kernelcache/files/
+	cp prometheus/kernelcache-dashboard.json charts/kernelcache/files/
 
 bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py

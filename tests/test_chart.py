@@ -404,3 +404,32 @@ def test_rbac_grants_exactly_what_the_code_uses(name: str) -> None:
     }
     assert granted - allowed == set(), "granted but not used by the code"
     assert needed - granted == set(), "used by the code but not granted"
+
+
+# --- the Grafana dashboard --------------------------------------------------------------------
+
+DASHBOARD = REPO / "prometheus" / "kernelcache-dashboard.json"
+
+
+def test_grafana_dashboard_configmap_carries_the_tested_dashboard() -> None:
+    copy = CHART / "files" / DASHBOARD.name
+    assert copy.read_bytes() == DASHBOARD.read_bytes(), f"copy {DASHBOARD.name} into {copy.parent}"
+    grafana = {"grafanadashboard": {"enabled": True, "labels": {"team": "gpu"}}}
+    docs = render("defaults", {"prometheus": {**VALUES["defaults"], **grafana}})
+    configmap = one(docs, "ConfigMap", "kc-kernelcache-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["labels"]["team"] == "gpu"
+    assert configmap["metadata"]["namespace"] == NAMESPACE
+    assert json.loads(configmap["data"]["kernelcache.json"]) == json.loads(DASHBOARD.read_text())
+    elsewhere = {"grafanadashboard": {"enabled": True, "namespace": "monitoring"}}
+    moved = one(
+        render("defaults", {"prometheus": elsewhere}), "ConfigMap", "kc-kernelcache-dashboard"
+    )
+    assert moved["metadata"]["namespace"] == "monitoring"
+
+
+def test_no_grafana_dashboard_unless_asked() -> None:
+    names = [d["metadata"]["name"] for d in render("defaults") if d["kind"] == "ConfigMap"]
+    assert "kc-kernelcache-dashboard" not in names
+    done = _render_text("defaults", json.dumps({"prometheus": {"grafanadashboard": {"on": True}}}))
+    assert done.returncode != 0 and "additional properties 'on' not allowed" in done.stderr

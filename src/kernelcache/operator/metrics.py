@@ -1,9 +1,10 @@
 """The operator's own Prometheus metrics, in a registry of their own.
 
 Handlers record into this module (counters, histograms and a table of each KernelCache's
-phase); the phase gauge is built from that table when Prometheus scrapes, so a deleted
-KernelCache simply stops being counted. The HTTP endpoint starts only when the operator
-does (never on import, so never under unit tests).
+phase and published generation per arch); the phase and generation gauges are built from
+that table when Prometheus scrapes, so a deleted KernelCache simply stops being counted.
+The HTTP endpoint starts only when the operator does (never on import, so never under unit
+tests).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ COMPILE_JOB_SECONDS = Histogram(
 )
 
 _phases: dict[str, str] = {}
+_generations: dict[str, dict[str, str]] = {}  # namespace/name -> arch -> generation
 _lock = threading.Lock()
 
 
@@ -52,14 +54,23 @@ def set_phase(key: str, phase: str | None) -> None:
             _phases[key] = phase
 
 
+def set_generations(key: str, generations: dict[str, str]) -> None:
+    """Record the generation each arch of ``namespace/name`` has published (its status)."""
+    with _lock:
+        _generations[key] = dict(generations)
+
+
 def forget(key: str) -> None:
     set_phase(key, None)
+    with _lock:
+        _generations.pop(key, None)
 
 
 class _PhaseCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with _lock:
             phases = list(_phases.values())
+            generations = {key: dict(arches) for key, arches in _generations.items()}
         family = GaugeMetricFamily(
             "kernelcache_operator_kernelcaches",
             "KernelCaches this operator reconciles, by phase.",
@@ -68,6 +79,16 @@ class _PhaseCollector(Collector):
         for phase in PHASES:
             family.add_metric([phase], phases.count(phase))
         yield family
+        info = GaugeMetricFamily(
+            "kernelcache_operator_generation_info",
+            "The generation each arch of a KernelCache has published (always 1).",
+            labels=["namespace", "name", "arch", "generation"],
+        )
+        for key, arches in sorted(generations.items()):
+            namespace, _, name = key.partition("/")
+            for arch, generation in sorted(arches.items()):
+                info.add_metric([namespace, name, arch, generation], 1)
+        yield info
 
 
 REGISTRY.register(_PhaseCollector())

@@ -266,6 +266,7 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         recorded = stamps.Stamp.from_dict(manifest.stamp)
         diffs = stamps.explain(recorded, stamps.environment_stamp(recorded, config.arch))
     except KernelCacheError as exc:
+        metrics.record_verify_failure(exc.code.name.lower())
         if config.strict:
             raise
         log.warning("kernelcache: %s; serving without a generation", exc.message)
@@ -281,6 +282,7 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     sides = (stamps.generation_side(manifest.generation), stamps.ENVIRONMENT_SIDE)
     error = stamps.stamp_mismatch(diffs, sides)
     if error is not None:
+        metrics.record_verify_failure(error.code.name.lower())
         if config.strict:
             raise error
         # Still used: each toolchain keys its own artifacts, so whatever does not fit this

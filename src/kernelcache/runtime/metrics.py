@@ -17,6 +17,9 @@ Series (``toolchain`` is one of ``TOOLCHAINS``):
   could not be used (a Mega-Cache this torch refuses, say).
 - ``kernelcache_vllm_jit_events_total{backend,kernel}``: what vLLM's own JIT monitor saw after
   its warm-up: a kernel first loaded into the process while serving, compiled or not.
+- ``kernelcache_verify_failures_total{reason}``: the generation failed its check at start
+  (``reason``: the failure class, e.g. ``stamp_mismatch``, ``missing_generation``); the
+  process then serves without it, or with it but missing where the stamp differs.
 
 The per-toolchain hit and histogram series exist at zero from the start, so the first event
 already shows up in ``rate()`` and ``increase()``. A per-kernel series is born with its first
@@ -82,6 +85,12 @@ VLLM_JIT_EVENTS = Counter(
     ["backend", "kernel"],
     registry=REGISTRY,
 )
+VERIFY_FAILURES = Counter(
+    "kernelcache_verify_failures",
+    "Times the generation failed its check at start in this process, by failure class.",
+    ["reason"],
+    registry=REGISTRY,
+)
 
 for _toolchain in TOOLCHAINS:
     CACHE_HITS.labels(_toolchain)
@@ -118,6 +127,10 @@ def record_hit(toolchain: str, count: int = 1) -> None:
 
 def record_dropped(toolchain: str, reason: str) -> None:
     DROPPED_ARTIFACTS.labels(toolchain, reason).inc()
+
+
+def record_verify_failure(reason: str) -> None:
+    VERIFY_FAILURES.labels(reason).inc()
 
 
 def set_generation(name: str, arch: str, generation: str, stamp: str, mismatch: bool) -> None:

@@ -215,7 +215,11 @@ def _write(
         )
         events.extend(state.transitions(previous, status))
         _observe_finished_jobs(previous, plans)
-    metrics.set_phase(f"{meta['namespace']}/{meta['name']}", status["phase"])
+    key = f"{meta['namespace']}/{meta['name']}"
+    metrics.set_phase(key, status["phase"])
+    arches = status.get("arches") or []
+    published = {a["arch"]: a["generation"] for a in arches if a.get("generation")}
+    metrics.set_generations(key, published)
     return Reconciled(body, result, events)
 
 
