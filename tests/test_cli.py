@@ -22,7 +22,7 @@ from kernelcache import __version__
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store
 from tests.conftest import REPO, needs_cute, run_kernelcache, subprocess_env, wait_until
-from tests.test_build import write_spec
+from tests.test_build import SMALL_WORKLOAD, write_spec
 
 SCHEMAS = REPO / "docs" / "cli-schemas"
 # A command warmer that prints, then waits for the test's go-ahead file: its line must reach
@@ -100,7 +100,7 @@ def test_build_json_has_its_schema_and_a_summary_per_toolchain(built):
         totals = {t["toolchain"]: t for t in result["toolchains"]}
         assert totals["cute-dsl"]["compiled"] == 2 and totals["cute-dsl"]["bytes"] > 0
         assert totals["command"]["files"] == 1
-        assert {k["kernel"] for k in result["kernels"]} == {
+        assert {k["kernel"] for k in result["slowest_kernels"]} == {
             "demo_kernels:add",
             "demo_kernels:scale_tiled",
         }
@@ -190,7 +190,7 @@ def test_gc_dry_run_removes_nothing_and_names_what_would_go(tmp_path):
     store = tmp_path / "store"
     key = "default/demo/sm_90a"
     for tiles in ([[32, 32]], [[64, 64]]):
-        spec = write_spec(tmp_path, **{"warmers.0.workload.tiles": tiles})
+        spec = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "tiles": tiles}})
         proc = run_kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
         assert proc.returncode == 0, proc.stderr
     first = Store(store).generations(key)[0].generation
@@ -243,3 +243,22 @@ def test_bash_completion_is_generated_from_the_parser():
     assert complete("completion", "z") == ["zsh"]
     zsh = run_kernelcache("completion", "zsh").stdout
     assert zsh.startswith("autoload -U +X bashcompinit") and "complete -o filenames" in zsh
+
+
+def test_a_warm_result_fits_a_termination_message(tmp_path):
+    """The compile Job's result is its termination message (4096 bytes at most): with many
+    kernels compiled it keeps the slowest few, not every one."""
+    tiles = [[16, 16], [32, 32], [64, 64], [16, 32], [32, 64], [64, 128]]
+    spec = write_spec(tmp_path, **{"warmers.0.workload": {**SMALL_WORKLOAD, "tiles": tiles}})
+    result = tmp_path / "result.json"
+    proc = run_kernelcache(
+        "warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a",
+        "--result", str(result), KERNELCACHE_PROGRESS="1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("kernelcache: compiled cute-dsl kernel ") == 7
+    written = checked("warm", result.read_text())
+    assert written["compiled"] == 7 and len(written["slowest_kernels"]) == 5
+    seconds = [k["seconds"] for k in written["slowest_kernels"]]
+    assert seconds == sorted(seconds, reverse=True)
+    assert len(result.read_bytes()) < 4096

@@ -80,7 +80,7 @@ def test_compile_job_runs_warm_for_its_arch_in_the_serving_image() -> None:
     assert container["command"] == [
         "kernelcache", "warm", "-f", "/etc/kernelcache/spec/kernelcache.yaml",
         "--store", "/var/lib/kernelcache", "--arch", "sm_90a",
-        "--result", "/dev/termination-log", "--progress",
+        "--result", "/dev/termination-log",
     ]  # fmt: skip
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["restartPolicy"] == "Never"

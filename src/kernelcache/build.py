@@ -50,8 +50,8 @@ class ArchResult:
     message: str = ""
     # Per warmer type of this warm: compiled, seconds, files, bytes (empty when up-to-date).
     toolchains: list[dict[str, Any]] = field(default_factory=list)
-    # Every kernel compiled, with its seconds (``progress.KernelTiming``), in order.
-    kernels: list[dict[str, Any]] = field(default_factory=list)
+    # The slowest kernels compiled, with their seconds (``progress.KernelTiming``).
+    slowest_kernels: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_manifest(
@@ -68,7 +68,7 @@ class ArchResult:
             compiled=sum(w.get("compiled", 0) for w in warmers),
             seconds=round(seconds, 3),
             toolchains=toolchain_totals(warmers),
-            kernels=[t.to_dict() for t in progress.timings()] if status == "published" else [],
+            slowest_kernels=[t.to_dict() for t in progress.slowest()] if warmers else [],
         )
 
 

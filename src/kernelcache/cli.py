@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -105,7 +106,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     (arch,) = _arches(kc, [args.arch])
     if args.result is not None:
         _check_output_dir(args.result, "--result")
-    if args.progress:
+    if args.progress or os.environ.get(progress.ENV) == "1":
         progress.show()
     result = build.warm_arch(
         kc,
@@ -483,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(
-        "--progress", action="store_true", help="print each warmer and kernel compiled to stderr"
+        "--progress",
+        action="store_true",
+        help="print each warmer and kernel compiled to stderr (or KERNELCACHE_PROGRESS=1)",
     )
     json_arg(p, "warm.json")
 

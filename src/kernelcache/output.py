@@ -154,7 +154,7 @@ def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
             f"{r.seconds:.2f}",
         )
     tables = [table]
-    rows = [(r.arch, t, r.kernels) for r in results for t in r.toolchains]
+    rows = [(r.arch, t, r.slowest_kernels) for r in results for t in r.toolchains]
     if rows:
         summary = Table(title="compiled per toolchain")
         for column in ("arch", "toolchain", "kernels", "seconds", "bytes", "slowest"):

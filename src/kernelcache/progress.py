@@ -1,7 +1,8 @@
 """Per-kernel progress of a warm, as lines a person reads and ``kernelcache build`` parses.
 
 A warm runs in its own process (``kernelcache warm``, in a compile Job or under ``build``).
-With ``kernelcache warm --progress`` (``build`` passes it) each compile is printed to stderr
+With ``kernelcache warm --progress`` (``build`` passes it; compile Jobs set
+``KERNELCACHE_PROGRESS=1``) each compile is printed to stderr
 as one line, so a log shows an hour-long warm-up kernel by kernel, and the same line lets
 ``build`` draw progress and a summary of the slowest kernels. Without it stderr keeps to
 the one line of a failure. The timings are kept either way, for the warm's JSON result.
@@ -29,6 +30,11 @@ class KernelTiming:
         return asdict(self)
 
 
+# Set (to 1) on compile Jobs: the flag's equivalent, which an older kernelcache ignores.
+ENV = "KERNELCACHE_PROGRESS"
+# A warm's result keeps its slowest kernels only: it is a Job's termination message (4 KiB).
+SLOWEST_KEPT = 5
+
 _timings: list[KernelTiming] = []
 _shown = False
 
@@ -52,9 +58,9 @@ def compiled(toolchain: str, kernel: str, seconds: float) -> None:
     note(f"compiled {timing.toolchain} kernel {timing.kernel} in {seconds:.2f} s")
 
 
-def timings() -> list[KernelTiming]:
-    """Every kernel compiled in this process so far, in order."""
-    return list(_timings)
+def slowest() -> list[KernelTiming]:
+    """The ``SLOWEST_KEPT`` slowest kernels compiled in this process so far, slowest first."""
+    return sorted(_timings, key=lambda t: -t.seconds)[:SLOWEST_KEPT]
 
 
 def parse(line: str) -> KernelTiming | None:

@@ -274,7 +274,6 @@ def compile_job(
     command = [
         "kernelcache", "warm", "-f", f"{SPEC_DIR}/{SPEC_FILE}",
         "--store", config.store_mount_path, "--arch", arch, "--result", TERMINATION_LOG,
-        "--progress",  # each warmer and kernel in the Job's log
     ]  # fmt: skip
     mounts = [
         {"name": "store", "mountPath": config.store_mount_path},
@@ -299,7 +298,12 @@ def compile_job(
         "name": "warm",
         "image": image_of(kc),
         "command": command,
-        "env": [{"name": "HOME", "value": "/tmp"}],  # toolchains keep caches under $HOME
+        "env": [
+            {"name": "HOME", "value": "/tmp"},  # toolchains keep caches under $HOME
+            # Each warmer and kernel in the Job's log; an older kernelcache in the engine
+            # image ignores the variable, where it would refuse a flag it does not know.
+            {"name": "KERNELCACHE_PROGRESS", "value": "1"},
+        ],
         "resources": resources,
         "securityContext": _CONTAINER_SECURITY,
         "terminationMessagePath": TERMINATION_LOG,
