@@ -262,3 +262,18 @@ def test_a_warm_result_fits_a_termination_message(tmp_path):
     seconds = [k["seconds"] for k in written["slowest_kernels"]]
     assert seconds == sorted(seconds, reverse=True)
     assert len(result.read_bytes()) < 4096
+
+
+def test_the_docs_cover_every_command_exit_code_and_warmer():
+    from kernelcache.cli import build_parser
+    from kernelcache.completion import subcommands
+    from kernelcache.errors import EXIT_CODE_HELP
+    from kernelcache.spec import WARMER_TYPES
+
+    page = (REPO / "docs" / "cli.md").read_text()
+    for command in subcommands(build_parser()):
+        assert f"`kernelcache {command}" in page, command
+    for code, text in EXIT_CODE_HELP.items():
+        assert f"| {int(code)} | {text} |" in page
+    for kind in WARMER_TYPES:
+        assert (REPO / "docs" / "warmers" / f"{kind}.md").is_file(), kind

@@ -31,7 +31,7 @@ complete -o filenames -F _kernelcache kernelcache
 """
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
@@ -51,11 +51,11 @@ def _words(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def bash(parser: argparse.ArgumentParser) -> str:
-    subcommands = _subcommands(parser)
-    top = [*subcommands, *_words(parser)]
+    commands = subcommands(parser)
+    top = [*commands, *_words(parser)]
     cases = [f'        "") words="{" ".join(top)}" ;;']
     cases += [
-        f'        {name}) words="{" ".join(_words(sub))}" ;;' for name, sub in subcommands.items()
+        f'        {name}) words="{" ".join(_words(sub))}" ;;' for name, sub in commands.items()
     ]
     cases.append('        *) words="" ;;')
     return _BASH.format(cases="\n".join(cases))
