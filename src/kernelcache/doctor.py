@@ -103,7 +103,7 @@ def diagnose(
         subdirs = {f.path.split("/", 1)[0] for f in manifest.files}
         toolchains += [SUBDIR_TOOLCHAINS[s] for s in sorted(subdirs) if s in SUBDIR_TOOLCHAINS]
     _check_toolchains(report, list(dict.fromkeys(toolchains)) or list(TOOLCHAINS), bool(toolchains))
-    _check_cache_env(report)
+    _check_cache_env(report, manifest is not None)
     _check_hook(report)
     if manifest is not None:
         _check_stamp(report, manifest, seen_arch)
@@ -171,10 +171,12 @@ def writable(path: Path) -> bool:
     return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
 
 
-def _check_cache_env(report: Report) -> None:
-    for var in CACHE_ENV:
+def _check_cache_env(report: Report, with_generation: bool) -> None:
+    for var, sub in CACHE_ENV.items():
         value = os.environ.get(var)
-        if not value:
+        if not value and with_generation:
+            report.add(f"cache/{var}", "ok", f"unset: kernelcache.runtime points it at files/{sub}")
+        elif not value:
             report.add(f"cache/{var}", "ok", "unset: the toolchain's default")
         elif writable(Path(value)):
             report.add(f"cache/{var}", "ok", f"{value} (writable)")

@@ -78,30 +78,34 @@ class BuildView:
     compiled with the elapsed time, and on a terminal a live line for the arch being warmed."""
 
     def __init__(self, kc: KernelCache) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
         self.name = kc.metadata.name
         self.err = console(stderr=True)
-        self.live = self.err.status("") if self.err.is_terminal else None
+        self.live = None
+        if self.err.is_terminal:  # a spinner, the kernels so far and a running clock
+            columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+            self.live = Progress(*columns, console=self.err, transient=True)
+            self.live.start()
+        self.task: Any = None
         self.arch = ""
         self.start = time.perf_counter()
         self.compiled = 0
-        if self.live is not None:
-            self.live.start()
 
     def _elapsed(self) -> str:
         return f"{time.perf_counter() - self.start:.1f} s"
 
-    def _update(self) -> None:
-        if self.live is not None:
-            self.live.update(
-                f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled, "
-                f"{self._elapsed()}"
-            )
+    def _describe(self) -> str:
+        return f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled"
 
     def started(self, arch: str) -> None:
         self.arch, self.start, self.compiled = arch, time.perf_counter(), 0
-        self._update()
         if self.live is None:
             print(f"{arch}: warming {self.name}", file=sys.stderr, flush=True)
+            return
+        if self.task is not None:
+            self.live.remove_task(self.task)
+        self.task = self.live.add_task(self._describe(), total=None)
 
     def line(self, arch: str, line: str) -> None:
         timing = progress.parse(line)
@@ -117,7 +121,8 @@ class BuildView:
                 markup=False,
                 highlight=False,
             )
-        self._update()
+        if self.live is not None and self.task is not None:
+            self.live.update(self.task, description=self._describe())
 
     def done(self, result: ArchResult) -> None:
         if result.status == "failed":
