@@ -18,7 +18,7 @@ import pytest
 from kernelcache.doctor import HOOK_FILE
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store
-from tests.conftest import REPO, needs_cute, run_kernelcache, subprocess_env
+from tests.conftest import REPO, needs_cute, one_line_error, run_kernelcache, subprocess_env
 from tests.test_build import write_spec
 from tests.test_cli import checked
 
@@ -140,3 +140,25 @@ def test_doctor_without_a_gpu_or_arch_fails_on_the_arch(generation):
     assert proc.returncode == ExitCode.NO_GPU_INFO
     assert rows(payload)["gpu"]["status"] == "fail"
     assert "nvidia-smi" in rows(payload)["gpu"]["detail"]
+
+
+def test_doctor_against_a_spec_and_its_store(generation):
+    spec_dir = generation.parents[4]
+    spec, store = spec_dir / "kc.yaml", spec_dir / "s"
+    env = {"PYTHONPATH": f"{spec_dir}:{subprocess_env()['PYTHONPATH']}"}
+    args = ("doctor", "-f", str(spec), "--store", str(store), "--json")
+    proc = run_kernelcache(*args, "--arch", "sm_90a", **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = rows(checked("doctor", proc.stdout))
+    assert checks["stamp"]["detail"].startswith(f"generation {generation.name}:")
+    assert checks["toolchain/cute-dsl"]["status"] == "ok"
+
+    unbuilt = run_kernelcache(*args, "--arch", "sm_120a", **env)
+    assert unbuilt.returncode == ExitCode.MISSING_GENERATION
+    assert "default/demo/sm_120a: no published generation" in one_line_error(unbuilt)
+
+    spec_only = run_kernelcache("doctor", "-f", str(spec), "--json", CUTE_DSL_ARCH="", **env)
+    payload = checked("doctor", spec_only.stdout)
+    assert "stamp" not in rows(payload) and payload["differences"] == []
+    # Without a generation an arch is not needed: no GPU here is a warning, not a failure.
+    assert spec_only.returncode == 0 and rows(payload)["gpu"]["status"] in ("ok", "warn")
