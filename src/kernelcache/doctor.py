@@ -30,6 +30,8 @@ TOOLCHAINS: dict[str, tuple[str, str]] = {
     "torch-compile": ("torch", "torch"),
     "flashinfer": ("flashinfer-python", "flashinfer"),
     "b12x": ("flashinfer-python", "flashinfer"),
+    "vllm": ("vllm", "vllm"),
+    "sglang": ("sglang", "sglang"),
 }
 # A generation's files/<subdir> -> the toolchain that reads it.
 SUBDIR_TOOLCHAINS = {
@@ -38,6 +40,8 @@ SUBDIR_TOOLCHAINS = {
     "inductor": "torch-compile",
     "torch-compile": "torch-compile",
     "flashinfer": "flashinfer",
+    "vllm": "vllm",
+    "sglang": "sglang",
 }
 HOOK_FILE = "kernelcache_runtime.pth"
 IMPORT_TIMEOUT_S = 300
@@ -128,7 +132,7 @@ def _check_toolchains(report: Report, toolchains: list[str], required: bool) -> 
     failures = _import(modules)
     for toolchain in toolchains:
         if toolchain not in TOOLCHAINS:
-            report.add(f"toolchain/{toolchain}", "ok", "runs a command: nothing to import")
+            report.add(f"toolchain/{toolchain}", "ok", "no toolchain to import for this warmer")
             continue
         dist, module = TOOLCHAINS[toolchain]
         try:
