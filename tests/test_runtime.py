@@ -391,6 +391,7 @@ def test_a_warmed_generation_serves_with_zero_cold_compiles(cute_generation):
     assert kernels(samples, "cute-dsl") == {}
     assert total(samples, "kernelcache_cache_hits_total", toolchain="cute-dsl") == 2
     assert total(samples, "kernelcache_stamp_mismatch") == 0
+    assert total(samples, "kernelcache_verify_failures_total") == 0
     info = {
         "name": "default/demo",
         "arch": "sm_90a",
@@ -439,6 +440,7 @@ def test_stamp_mismatch_is_a_metric_and_a_line_and_strict_refuses(
     proc, samples = serve("--cute", json.dumps(SMALL_WORKLOAD), **env)
     assert proc.returncode == 0, proc.stderr
     assert total(samples, "kernelcache_stamp_mismatch") == 1
+    assert total(samples, "kernelcache_verify_failures_total", reason="stamp_mismatch") == 1
     (line,) = [x for x in proc.stderr.splitlines() if "stamp mismatch" in x]
     assert line.startswith("kernelcache: stamp mismatch: source/demo_kernels: blake3:")
     # The edited source is a new key for the disk layer too: both kernels compile.
