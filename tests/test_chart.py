@@ -42,6 +42,7 @@ VALUES: dict[str, dict[str, Any]] = {
         "prometheus": {"servicemonitor": {"enabled": True}, "prometheusrule": {"enabled": True}}
     },
     "prometheus-off": {"prometheus": {"enabled": False}},
+    "grafana-dashboard": {"prometheus": {"grafanadashboard": {"enabled": True}}},
     "crds-off": {"crds": {"enabled": False}},
     "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
 }
