@@ -217,9 +217,11 @@ def _warm_in_subprocess(
         # One pipe for both streams keeps the warmers' lines in the order they printed them;
         # unbuffered, so a line arrives when it is printed, not when the child exits.
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A warm-up that prints bytes of another encoding must not end the build.
         with subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        ) as proc:
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            env=env,
+        ) as proc:  # fmt: skip
             assert proc.stdout is not None
             for line in proc.stdout:
                 line = line.rstrip("\n")
