@@ -30,6 +30,7 @@ SCHEMAS = REPO / "docs" / "cli-schemas"
 ECHO_WARMER = (
     "import os, pathlib, sys, time; "
     "print('warm-up step 1 of the engine', flush=True); "
+    "print('\\x1b[32mcoloured\\x1b[0m line', flush=True); "
     "sys.stdout.buffer.write(bytes([0x6e, 0x6f, 0x74, 0x20, 0xff, 0x0a])); sys.stdout.flush(); "
     "go = pathlib.Path(os.environ['KERNELCACHE_TEST_GO']); "
     "[time.sleep(0.05) for _ in range(2400) if not go.exists()]; "
@@ -91,7 +92,8 @@ def test_build_streams_the_warmers_output_and_kernels_as_plain_lines(built):
     assert "sm_90a: not \ufffd" in stderr  # a byte that is not UTF-8 does not end the build
     assert "sm_90a: [1] cute-dsl demo_kernels:add:" in stderr
     assert "elapsed" in stderr
-    assert "\x1b" not in stderr  # piped: no escape codes
+    assert "sm_90a: coloured line" in stderr
+    assert "\x1b" not in stderr  # piped: no escape codes, not even a warmer's own
 
 
 def test_build_json_has_its_schema_and_a_summary_per_toolchain(built):

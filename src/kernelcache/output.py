@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kernelcache import progress
+from kernelcache.errors import plain
 
 if TYPE_CHECKING:
     from kernelcache.build import ArchResult
@@ -108,6 +109,8 @@ class BuildView:
         self.task = self.live.add_task(self._describe(), total=None)
 
     def line(self, arch: str, line: str) -> None:
+        if not self.err.is_terminal:  # piped: a warmer's colours must not reach the log
+            line = plain(line)
         timing = progress.parse(line)
         if timing is None:
             line = line.removeprefix("kernelcache: ")

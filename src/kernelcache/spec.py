@@ -969,9 +969,9 @@ def _type_of(node: dict[str, Any]) -> str:
     else:
         kind = node.get("type", "any")
     if kind == "array":
-        kind = f"[]{_type_of(node['items']).split(' ', 1)[0]}"
+        kind = f"[]{_type_of(node['items']).split(' (', 1)[0]}"
     elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
-        kind = f"map[string]{_type_of(node['additionalProperties']).split(' ', 1)[0]}"
+        kind = f"map[string]{_type_of(node['additionalProperties']).split(' (', 1)[0]}"
     notes = []
     if "enum" in node:
         notes.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
