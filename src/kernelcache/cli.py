@@ -239,7 +239,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         )
         return int(ExitCode.STAMP_MISMATCH) if diffs else 0
     if "env" not in (args.left, args.right):
-        _explain_vllm(args.left, args.right)
+        _explain_vllm(args.left, args.right, args.store)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
     else:
@@ -248,15 +248,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return int(ExitCode.STAMP_MISMATCH) if diffs else 0
 
 
-def _explain_vllm(left: str, right: str) -> None:
+def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:
     """vLLM's own cache key factors of two generations, where their warm reports hold them."""
     from kernelcache import vllm_root
-    from kernelcache.store import Manifest
 
-    reports = []
-    for ref in (left, right):
-        path = Path(ref) / "MANIFEST.json" if Path(ref).is_dir() else Path(ref)
-        reports.append(Manifest.parse(path.read_bytes(), str(path)).report)
+    reports = [_manifest_of(ref, store_root).report for ref in (left, right)]
     for line in vllm_root.factor_diffs(*reports):
         print(f"vllm cache_key_factors: {line}")
 
