@@ -43,7 +43,7 @@ SUBDIR_TOOLCHAINS = {
     "vllm": "vllm",
     "sglang": "sglang",
 }
-HOOK_FILE = "kernelcache_runtime.pth"
+HOOK_FILE = "zz_kernelcache_runtime.pth"
 IMPORT_TIMEOUT_S = 300
 
 # Imports each module in one child (a broken toolchain can crash or hang its importer).
