@@ -392,7 +392,7 @@ class Warmer(BaseModel):
         default_factory=dict, description="Free-form JSON passed to the entry points."
     )
     timeout_seconds: int = Field(
-        default=3600, ge=1, description="Seconds this warmer may run; past them the warm fails (11)."
+        default=3600, ge=1, description="Seconds this warmer may run; past them the warm fails."
     )
     gpu_classes: list[str] = Field(
         default_factory=list,
