@@ -150,11 +150,12 @@ def test_the_example_kernelcache_compiles_and_becomes_ready(kc: harness.Cluster)
 
     def ready() -> list[str] | None:
         rows = ok(kc.kubectl("get", "kc", "demo", "-n", "default")).splitlines()
+        assert rows[0].split() == ["NAME", "MODEL", "SERVING", "READY", "PHASE", "AGE"], rows
         row = rows[1].split() if len(rows) > 1 else []
-        return row if row[3:4] == ["Ready"] else None
+        return row if row[4:5] == ["Ready"] else None
 
     row = wait_until(ready, timeout=600, interval=2, what="kubectl get kc demo: Ready")
-    assert row[2] == "2/2", row
+    assert row[2:4] == ["2/2", "2/2"], row  # serving, ready
     # Both compile Jobs ran their pods as the operator's compile user, and completed.
     jobs = kc.kube.list("/apis/batch/v1/namespaces/default/jobs")
     assert len(jobs) == 2
