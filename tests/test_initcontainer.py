@@ -27,6 +27,7 @@ import pytest
 from kernelcache import initcontainer
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, NoGpuInfoError, SpecError
+from kernelcache.spec import SIGNING_KEY_FILE
 from kernelcache.store import (
     MANIFEST_NAME,
     FileEntry,
@@ -250,7 +251,7 @@ def other_model_replayed(gen: Path, tmp: Path) -> None:
         gen.parents[3],
         f"{NS}/other-model/{ARCH}",
         stamp=make_stamp(**{"extra/model": "example/other-model"}),
-        signing_key=tmp / "keys" / "kernelcache-signing.key",
+        signing_key=tmp / "keys" / SIGNING_KEY_FILE,
     )
     point_current(gen.parent, other)
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 
-from kernelcache.sources import find_spec_without_import
+from kernelcache.sources import find_spec_without_import, parse
 
 __all__ = ["SETTING_PREFIX", "compile_settings"]
 
@@ -138,7 +138,7 @@ def _read(path: str, _mtime_ns: int) -> bytes:
 
 @cache
 def _parse(path: str, _mtime_ns: int) -> ast.Module:
-    return ast.parse(_read(path, _mtime_ns), filename=path)
+    return parse(_read(path, _mtime_ns), path)
 
 
 def _version(path: Path) -> tuple[str, int]:

@@ -29,6 +29,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from functools import cache
 from importlib.machinery import ModuleSpec
@@ -38,10 +39,27 @@ import blake3
 
 from kernelcache.errors import SpecError
 
-__all__ = ["ABSENT", "SourceError", "find_spec_without_import", "module_sources", "script_sources"]
+__all__ = [
+    "ABSENT",
+    "SourceError",
+    "find_spec_without_import",
+    "module_sources",
+    "parse",
+    "script_sources",
+]
 
 ABSENT = "absent"
 _DYNAMIC_IMPORTERS = frozenset({"import_module", "__import__"})
+# CPython 3.11's parser keeps a recursion counter per interpreter, not per thread: two threads
+# parsing at once fail with "AST constructor recursion depth mismatch" (the disk layer keys
+# kernels from a serving process's threads).
+_PARSE_LOCK = threading.Lock()
+
+
+def parse(data: bytes, filename: str) -> ast.Module:
+    """``ast.parse``, one thread at a time."""
+    with _PARSE_LOCK:
+        return ast.parse(data, filename=filename)
 
 
 class SourceError(SpecError):
@@ -109,7 +127,7 @@ def _read(name: str, spec: ModuleSpec) -> tuple[str, list[tuple[str, bool]]]:
     if not path.endswith(".py"):
         return digest, []  # an extension module: its bytes, and no imports to read
     try:
-        tree = ast.parse(data, filename=path)
+        tree = parse(data, path)
     except (SyntaxError, ValueError) as exc:
         raise SourceError(f"source/{name}: {path} does not parse ({exc})") from None
     package = name if spec.submodule_search_locations is not None else name.rpartition(".")[0]
