@@ -491,13 +491,12 @@ class PodRunner(threading.Thread):
     def _mount_table(
         self, image: Image, spec: dict[str, Any], mounts: dict[str, Path], termination: Path
     ) -> Path:
-        """The mounts of one container, in order: interpreter, image, volumes, log."""
+        """The mounts of one container, in order: user database, volumes, interpreter and
+        image, log. The interpreter and the image's venv lie at host paths, which a volume
+        (an emptyDir at ``/tmp``, say, when the checkout is under ``/tmp``) must not hide:
+        in a real image they are not under any mount point, so they are mounted last."""
         base = Path(image.venv / "pyvenv.cfg").read_text().split("home = ")[1].split("\n")[0]
         rows = [
-            ("dir", str(Path(base).parent), str(Path(base).parent), "ro"),
-            ("dir", str(image.venv), str(image.venv), "ro"),
-        ]
-        rows += [
             ("file", str(self.kubelet.user_db(image, "passwd")), "/etc/passwd", "ro"),
             ("file", str(self.kubelet.user_db(image, "group")), "/etc/group", "ro"),
         ]
@@ -521,6 +520,10 @@ class PodRunner(threading.Thread):
             )
         if SA_DIR in mounts:
             rows.append(("dir", str(mounts[SA_DIR]), SA_DIR, "ro"))
+        rows += [
+            ("dir", str(Path(base).parent), str(Path(base).parent), "ro"),
+            ("dir", str(image.venv), str(image.venv), "ro"),
+        ]
         target = spec.get("terminationMessagePath", "/dev/termination-log")
         rows.append(("file", str(termination), target, "rw"))
         table = self.dir / "roots" / f"{spec['name']}.mounts"
