@@ -35,8 +35,8 @@ from kmock import Request
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from kernelcache.operator.kube import Kube, jobs_path, path
-from kernelcache.operator.manifests import LABEL_ARCH, peering_crds
+from kernelcache.controller.kube import Kube, jobs_path, path
+from kernelcache.controller.manifests import LABEL_ARCH, peering_crds
 from kernelcache.spec import crd_manifest
 from tests.conftest import subprocess_env, wait_until
 from tests.k8s_emulator import KubernetesEmulator, serving

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.manifests import peering_crds
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.manifests import peering_crds
 from kernelcache.spec import crd_manifest, crd_yaml
 from tests.conftest import system_tool
 

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(
     reason="kubectl is not installed: run scripts/install-kube-tools.sh",
 )
 
-from kernelcache.operator.kube import kernelcache_path  # noqa: E402
-from kernelcache.operator.manifests import LABEL_ARCH, peering_crds  # noqa: E402
+from kernelcache.controller.kube import kernelcache_path  # noqa: E402
+from kernelcache.controller.manifests import LABEL_ARCH, peering_crds  # noqa: E402
 from tests.test_operator_integration import (  # noqa: E402
     EXAMPLE,
     NS,

@@ -36,11 +36,10 @@ pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emulator)")
 
 from kmock import Request
 
-from kernelcache.errors import ExitCode
-from kernelcache.operator import webhook
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.kube import jobs_path, kernelcache_path
-from kernelcache.operator.manifests import (
+from kernelcache.controller import webhook
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.kube import jobs_path, kernelcache_path
+from kernelcache.controller.manifests import (
     ANNOTATION_CACHE,
     CLEANUP,
     COMPILE,
@@ -53,6 +52,7 @@ from kernelcache.operator.manifests import (
     owner_reference,
     spec_digest,
 )
+from kernelcache.errors import ExitCode
 from kernelcache.spec import parse_kernelcache
 from tests.conftest import (
     kernelcache_doc,

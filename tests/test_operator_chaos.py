@@ -37,9 +37,9 @@ pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emulator)")
 
 from kmock import Request, action
 
-from kernelcache.operator import state
-from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path
-from kernelcache.operator.manifests import (
+from kernelcache.controller import state
+from kernelcache.controller.kube import Kube, jobs_path, kernelcache_path
+from kernelcache.controller.manifests import (
     LABEL_ARCH,
     LABEL_ATTEMPT,
     LABEL_CACHE_UID,

@@ -1,7 +1,7 @@
 """The real kopf operator against a Kubernetes API test double (see ``k8s_emulator``).
 
 Each test serves a fresh emulator, points the kubernetes client and kopf at it through a
-temporary kubeconfig, runs ``kopf run -m kernelcache.operator.main`` in a thread
+temporary kubeconfig, runs ``kopf run -m kernelcache.controller.main`` in a thread
 (``KopfRunner``), and plays the rest of the cluster: it creates KernelCaches and writes what
 the Job controller and the kubelet would (Job conditions, the pod's termination message).
 Assertions are on observable state: objects, status, Events.
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import pytest
 
 # The operator reads its config once, when kopf imports it (timer intervals are fixed at
-# registration), so it is set before anything imports kernelcache.operator.main: resync and
+# registration), so it is set before anything imports kernelcache.controller.main: resync and
 # retry within seconds, two attempts, no metrics server.
 os.environ.update(
     KERNELCACHE_OPERATOR_RESYNC_SECONDS="0.5",
@@ -43,9 +43,9 @@ kmock = pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emu
 import kopf  # noqa: E402
 import yaml  # noqa: E402
 
-from kernelcache.operator import metrics  # noqa: E402
-from kernelcache.operator.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
-from kernelcache.operator.manifests import (  # noqa: E402
+from kernelcache.controller import metrics  # noqa: E402
+from kernelcache.controller.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
+from kernelcache.controller.manifests import (  # noqa: E402
     LABEL_ARCH,
     LABEL_ATTEMPT,
     LABEL_CACHE_UID,
@@ -205,7 +205,7 @@ def operator(cluster: Cluster, *args: str, instance: str = "replica-a") -> Itera
     settings.posting.reporting_instance = instance
     watches = cluster.emulator.watches
     before = watches["kernelcaches"], watches["jobs"]
-    argv = ["run", "-A", "--verbose", "-m", "kernelcache.operator.main", *args]
+    argv = ["run", "-A", "--verbose", "-m", "kernelcache.controller.main", *args]
     with kopf_testing.KopfRunner(argv, settings=settings, timeout=30) as runner:
         wait_until(
             lambda: watches["kernelcaches"] > before[0] and watches["jobs"] > before[1],

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kernelcache.operator import manifests
-from kernelcache.operator.config import ConfigError, OperatorConfig
+from kernelcache.controller import manifests
+from kernelcache.controller.config import ConfigError, OperatorConfig
 from kernelcache.spec import KernelCache, parse_kernelcache
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kernelcache.yaml"

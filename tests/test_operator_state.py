@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kernelcache.operator import state
-from kernelcache.operator.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+from kernelcache.controller import state
+from kernelcache.controller.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 POLICY = state.RetryPolicy(max_attempts=3, backoff_seconds=60, backoff_max_seconds=600)

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kernelcache.operator.kube import jobs_path, kernelcache_path
+from kernelcache.controller.kube import jobs_path, kernelcache_path
 from kernelcache.store import Store
 from tests.conftest import (
     REPO,

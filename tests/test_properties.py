@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernelcache import store as store_mod
+from kernelcache.controller import manifests, state
+from kernelcache.controller.config import OperatorConfig
 from kernelcache.errors import ManifestError, SpecError, UnsafePathError
-from kernelcache.operator import manifests, state
-from kernelcache.operator.config import OperatorConfig
 from kernelcache.spec import KernelCache, parse_kernelcache
 from kernelcache.store import MANIFEST_NAME, Manifest, Store
 

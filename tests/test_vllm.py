@@ -316,9 +316,9 @@ def test_explain_names_vllms_own_cache_key_factors(built, tmp_path):
 
 def test_compile_job_and_serving_pod_mount_the_cache_root_writable():
     pytest.importorskip("kopf", reason="needs kernelcache[operator]")
-    from kernelcache.operator.config import OperatorConfig
-    from kernelcache.operator.manifests import compile_job
-    from kernelcache.operator.webhook import apply_ops, mutate_pod
+    from kernelcache.controller.config import OperatorConfig
+    from kernelcache.controller.manifests import compile_job
+    from kernelcache.controller.webhook import apply_ops, mutate_pod
 
     doc = vllm_doc("/var/cache/vllm")
     kc = parse_kernelcache(doc, "kc")

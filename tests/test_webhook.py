@@ -3,7 +3,7 @@
 Each request is an ``admission.k8s.io/v1`` AdmissionReview as the API server sends it: a Pod
 made by a ReplicaSet (``generateName``, no name yet), already defaulted and given its
 service-account token volume by the built-in admission plugins that run before webhooks.
-The pure functions of ``kernelcache.operator.webhook`` are tested on it directly, and the
+The pure functions of ``kernelcache.controller.webhook`` are tested on it directly, and the
 operator's kopf registrations through kopf's own admission entry point
 (``serve_admission_request``, what kopf's webhook server calls), with a fake API client.
 """
@@ -23,9 +23,9 @@ import yaml
 kopf = pytest.importorskip("kopf", reason="needs kernelcache[operator]")
 jsonpatch = pytest.importorskip("jsonpatch", reason="comes with kopf")
 
-from kernelcache.operator.config import OperatorConfig  # noqa: E402
-from kernelcache.operator.kube import ApiError, kernelcache_path  # noqa: E402
-from kernelcache.operator.webhook import (  # noqa: E402
+from kernelcache.controller.config import OperatorConfig  # noqa: E402
+from kernelcache.controller.kube import ApiError, kernelcache_path  # noqa: E402
+from kernelcache.controller.webhook import (  # noqa: E402
     ANNOTATION_CONTAINERS,
     ANNOTATION_FLASHINFER_AOT,
     ANNOTATION_IMAGE_POLICY,
@@ -521,7 +521,7 @@ def admit(review: dict[str, Any], kube: FakeKube, reason: str) -> dict[str, Any]
     from kopf._core.intents import causes
     from kopf._core.reactor import inventory
 
-    import kernelcache.operator.main  # noqa: F401  (registers the handlers)
+    import kernelcache.controller.main  # noqa: F401  (registers the handlers)
 
     pods = references.Resource(
         "", "v1", "pods", kind="Pod", singular="pod", namespaced=True, preferred=True

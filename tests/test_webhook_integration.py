@@ -1,7 +1,7 @@
 """The pod injection webhook served by the real kopf operator, called by the API test double.
 
 The operator runs as in ``test_operator_integration`` (``kopf run -m
-kernelcache.operator.main`` against the emulator), with its admission webhook server on a
+kernelcache.controller.main`` against the emulator), with its admission webhook server on a
 local port over plain HTTP (kopf's ``WebhookServer(insecure=True)``: the emulator is no API
 server that insists on TLS). The emulator is told that URL's ``/inject`` (the handler's id)
 as its Pod webhook, so every Pod created through the kubernetes client goes through the
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-# First: it sets the operator's environment, which kernelcache.operator.main reads on import.
+# First: it sets the operator's environment, which kernelcache.controller.main reads on import.
 from tests.test_operator_integration import (
     NS,
     Cluster,
@@ -32,8 +32,8 @@ from tests.test_operator_integration import (
 # isort: split
 import kopf
 
-from kernelcache.operator import main, webhook
-from kernelcache.operator.manifests import peering_crds
+from kernelcache.controller import main, webhook
+from kernelcache.controller.manifests import peering_crds
 from kernelcache.spec import crd_manifest
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"

@@ -380,7 +380,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the Kubernetes operator until stopped; it is configured by KERNELCACHE_OPERATOR_*."""
     try:
-        from kernelcache.operator.main import run
+        from kernelcache.controller.main import run
     except ModuleNotFoundError as exc:
         missing = f"operator: {exc.name} is missing; install kernelcache[operator]"
         raise KernelCacheError(missing) from None

@@ -51,7 +51,7 @@ import yaml
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from kernelcache.operator.kube import Kube, path
+from kernelcache.controller.kube import Kube, path
 from tests.cluster.api import ADMIN, ClusterAPI, certificate_authority, label_selected, tls_front
 from tests.cluster.controllers import Controllers
 from tests.cluster.images import Image

@@ -22,7 +22,7 @@ import secrets
 import time
 from typing import Any
 
-from kernelcache.operator.kube import ApiError, Kube, path
+from kernelcache.controller.kube import ApiError, Kube, path
 
 OWNERS = {  # kinds that own things here, and where to list them
     "Deployment": ("apps/v1", "deployments"),

@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kernelcache.operator.kube import ApiError, Kube, path
+from kernelcache.controller.kube import ApiError, Kube, path
 from tests.cluster.images import Image
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -56,17 +56,17 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelcache import nodemap
-from kernelcache.errors import SpecError
-from kernelcache.images import InvalidImageReference, parse_image, same_image
-from kernelcache.initcontainer import ENV_FILE
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.kube import ApiError, kernelcache_path
-from kernelcache.operator.manifests import (
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.kube import ApiError, kernelcache_path
+from kernelcache.controller.manifests import (
     SIGNING_DIR,
     TERMINATION_LOG,
     claim_name,
     image_of,
 )
+from kernelcache.errors import SpecError
+from kernelcache.images import InvalidImageReference, parse_image, same_image
+from kernelcache.initcontainer import ENV_FILE
 from kernelcache.spec import PUBLIC_KEY_FILE, KernelCache, parse_kernelcache
 
 LABEL_CACHE = "kernelcache.dev/cache"

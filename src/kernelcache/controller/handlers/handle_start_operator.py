@@ -7,9 +7,9 @@ the safe side when replicas cannot see each other.
 
 from __future__ import annotations
 
-from kernelcache.operator import manifests
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.kube import ApiError, Kube, path
+from kernelcache.controller import manifests
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.kube import ApiError, Kube, path
 
 
 def ensure_peering(kube: Kube, config: OperatorConfig) -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from kernelcache.operator.config import OperatorConfig
+from kernelcache.controller.config import OperatorConfig
 from kernelcache.spec import API_VERSION, KIND, SIGNING_KEY_FILE, GpuClass, KernelCache
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

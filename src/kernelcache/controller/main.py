@@ -2,7 +2,7 @@
 
 Each handler is a few lines that hand plain arguments to ``handlers/`` and turn the answer
 into kopf's terms (events to post, errors that mean "retry later"). Run with
-``kernelcache operator`` or ``kopf run -m kernelcache.operator.main``; either way the
+``kernelcache operator`` or ``kopf run -m kernelcache.controller.main``; either way the
 configuration comes from ``KERNELCACHE_OPERATOR_*`` (see ``config``), peering included.
 """
 
@@ -18,25 +18,25 @@ from typing import Any, cast
 
 import kopf
 
-from kernelcache.nodemap import gpu_labels
-from kernelcache.operator import metrics, webhook
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
-from kernelcache.operator.handlers.handle_reconcile_kernelcache import (
+from kernelcache.controller import metrics, webhook
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
+from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     Reconciled,
     reconcile_kernelcache,
 )
-from kernelcache.operator.handlers.handle_start_operator import ensure_peering
-from kernelcache.operator.handlers.handle_update_job import reconcile_job_owner
-from kernelcache.operator.handlers.handle_update_nodes import publish_node_map
-from kernelcache.operator.kube import Kube
-from kernelcache.operator.manifests import (
+from kernelcache.controller.handlers.handle_start_operator import ensure_peering
+from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
+from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
+from kernelcache.controller.kube import Kube
+from kernelcache.controller.manifests import (
     COMPILE,
     LABEL_CACHE_UID,
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     MANAGED_BY,
 )
+from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
 
 CONFIG = OperatorConfig.from_env()

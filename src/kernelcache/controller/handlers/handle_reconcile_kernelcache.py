@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from kernelcache.controller import manifests, metrics, state
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.errors import SpecError
-from kernelcache.operator import manifests, metrics, state
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.spec import KernelCache, parse_kernelcache
 
 CONFLICT_RETRIES = 5

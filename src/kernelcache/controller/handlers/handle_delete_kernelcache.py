@@ -13,10 +13,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from kernelcache.controller import manifests, metrics, state
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.kube import Kube, jobs_path, path
 from kernelcache.errors import SpecError
-from kernelcache.operator import manifests, metrics, state
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.kube import Kube, jobs_path, path
 from kernelcache.spec import parse_kernelcache
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernelcache.operator.config import OperatorConfig
-from kernelcache.operator.handlers.handle_reconcile_kernelcache import (
+from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     JobsOf,
     Reconciled,
     reconcile_kernelcache,
 )
-from kernelcache.operator.kube import ApiError, Kube, kernelcache_path
-from kernelcache.operator.manifests import ANNOTATION_CACHE, LABEL_CACHE_UID
+from kernelcache.controller.kube import ApiError, Kube, kernelcache_path
+from kernelcache.controller.manifests import ANNOTATION_CACHE, LABEL_CACHE_UID
 
 
 def reconcile_job_owner(
