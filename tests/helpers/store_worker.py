@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kernelcache import store as store_module
+from kernelcache.store import writer as store_module
 from kernelcache.errors import KernelCacheError
 from kernelcache.store import MANIFEST_NAME, Store, Writer
 
