@@ -40,9 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kernelcache.store import writer as store_module
 from kernelcache.errors import KernelCacheError
 from kernelcache.store import MANIFEST_NAME, Store, Writer
+from kernelcache.store import fs as store_fs
+from kernelcache.store import writer as store_writer
 
 STAMP_FACTORS = {"torch": "2.5.1", "cuda": "12.4", "triton": "3.1.0"}
 
@@ -144,7 +145,8 @@ def instrument(trace: Trace) -> None:
     _trace_calls(trace, Writer, "_fill", "seal")
     _trace_calls(trace, Writer, "_install", "install")
     _trace_calls(trace, Store, "_gc_locked", "gc")
-    _trace_calls(trace, store_module, "write_file_synced", _synced_write_phase)
+    for module in (store_fs, store_writer):
+        _trace_calls(trace, module, "write_file_synced", _synced_write_phase)
     for name in TRACED_OS_CALLS:
         _trace_calls(trace, os, name)
 
@@ -162,8 +164,9 @@ def _repoint_write_phase(path: Path, *_: Any) -> str | None:
 
 
 def instrument_repoint(trace: Trace) -> None:
-    _trace_calls(trace, store_module, "verify", "verify")
-    _trace_calls(trace, store_module, "write_file_synced", _repoint_write_phase)
+    _trace_calls(trace, store_writer, "verify", "verify")
+    for module in (store_fs, store_writer):
+        _trace_calls(trace, module, "write_file_synced", _repoint_write_phase)
     _trace_calls(trace, Store, "_gc_locked", "gc")
     for name in TRACED_OS_CALLS:
         _trace_calls(trace, os, name)
