@@ -54,8 +54,8 @@ lint: $(VENV)/.installed
 # The CRD, its API reference, the alert rules and the dashboard have one source each; the
 # chart carries copies (tests fail on drift).
 crds: $(VENV)/.installed
-	$(PY) -m kernelcache.spec > crds/kernelcache.dev_kernelcaches.yaml
-	$(PY) -m kernelcache.spec --api-docs > docs/api.md
+	$(PY) -m kernelcache.crd > crds/kernelcache.dev_kernelcaches.yaml
+	$(PY) -m kernelcache.crd --api-docs > docs/api.md
 	cp crds/kernelcache.dev_kernelcaches.yaml charts/kernelcache/files/
 	cp prometheus/kernelcache-rules.yaml charts/kernelcache/files/
 	cp prometheus/kernelcache-dashboard.json charts/kernelcache/files/

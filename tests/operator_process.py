@@ -37,7 +37,7 @@ from kubernetes import config as kube_config
 
 from kernelcache.controller.kube import Kube, jobs_path, path
 from kernelcache.controller.manifests import LABEL_ARCH, peering_crds
-from kernelcache.spec import crd_manifest
+from kernelcache.crd import crd_manifest
 from tests.conftest import subprocess_env, wait_until
 from tests.k8s_emulator import KubernetesEmulator, serving
 

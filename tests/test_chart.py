@@ -21,7 +21,7 @@ import yaml
 
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.manifests import peering_crds
-from kernelcache.spec import crd_manifest, crd_yaml
+from kernelcache.crd import crd_manifest, crd_yaml
 from tests.conftest import system_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -326,10 +326,10 @@ def _metadata_free(obj: dict[str, Any]) -> dict[str, Any]:
 
 def test_chart_crd_is_the_generated_crd() -> None:
     """files/ holds a copy of crds/ (helm reads no file outside the chart); both must be
-    exactly what kernelcache.spec generates, and the rendered CRD its body."""
+    exactly what kernelcache.crd generates, and the rendered CRD its body."""
     copy = CHART / "files" / "kernelcache.dev_kernelcaches.yaml"
     assert copy.read_text(encoding="utf-8") == crd_yaml(), (
-        f"regenerate with: python -m kernelcache.spec > {copy.relative_to(REPO)}"
+        f"regenerate with: python -m kernelcache.crd > {copy.relative_to(REPO)}"
     )
     rendered = one(render("defaults"), "CustomResourceDefinition", "kernelcaches.kernelcache.dev")
     assert _metadata_free(rendered) == _metadata_free(crd_manifest())

@@ -51,7 +51,7 @@ from kernelcache.controller.manifests import (  # noqa: E402
     LABEL_CACHE_UID,
     peering_crds,
 )
-from kernelcache.spec import crd_manifest  # noqa: E402
+from kernelcache.crd import crd_manifest  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,18 +12,11 @@ import jsonschema
 import pytest
 import yaml
 
+from kernelcache.crd import API_DOCS_PATH, CRD_PATH, api_reference, crd_manifest, crd_yaml, main
 from kernelcache.errors import ExitCode, SpecError
-from kernelcache.spec import (
-    API_DOCS_PATH,
-    CRD_PATH,
-    KernelCache,
-    api_reference,
-    crd_manifest,
-    crd_yaml,
-    load_kernelcache,
-    main,
-    parse_kernelcache,
-)
+from kernelcache.spec import KernelCache, load_kernelcache, parse_kernelcache
+
+from .conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "kernelcache.yaml"
@@ -337,7 +332,31 @@ def test_check_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert f"{stale}: line " in err
-    assert "python -m kernelcache.spec >" in err
+    assert "python -m kernelcache.crd >" in err
+
+
+def test_crd_module_runs_as_make_crds_runs_it(tmp_path: Path):
+    """``python -m kernelcache.crd`` in a fresh process, as the Makefile's crds target runs
+    it: the CRD and the API reference it prints are the committed ones, and --check of a
+    stale copy exits 1 with one line."""
+    for flags, committed in (([], COMMITTED_CRD), (["--api-docs"], ROOT / API_DOCS_PATH)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kernelcache.crd", *flags],
+            env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert (proc.returncode, proc.stderr) == (0, "")
+        assert proc.stdout == committed.read_text()
+    stale = tmp_path / "api.md"
+    stale.write_text("# stale\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache.crd", "--api-docs", "--check", str(stale)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"{stale}: line 1 differs from the generated API reference; "
+        f"regenerate with: python -m kernelcache.crd --api-docs > {stale}\n"
+    )
 
 
 def test_crd_identity():

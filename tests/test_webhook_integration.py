@@ -34,7 +34,7 @@ import kopf
 
 from kernelcache.controller import main, webhook
 from kernelcache.controller.manifests import peering_crds
-from kernelcache.spec import crd_manifest
+from kernelcache.crd import crd_manifest
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
 
