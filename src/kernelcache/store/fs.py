@@ -121,7 +121,7 @@ def link_target(path: Path) -> str:
         return "?"
 
 
-def lstat_own(path: Path, why: str) -> os.stat_result | None:
+def lstat_refusing_symlink(path: Path, why: str) -> os.stat_result | None:
     """lstat a directory of the store's own layout: None when absent; a symlink in its place
     is refused (an UnsafePathError naming its target and ``why`` it must be the store's)."""
     try:

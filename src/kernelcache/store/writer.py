@@ -32,7 +32,7 @@ from kernelcache.store.fs import (
     fsync_dir,
     fsync_tree_dirs,
     io_errors,
-    lstat_own,
+    lstat_refusing_symlink,
     make_dirs,
     parallel,
     read_regular,
@@ -133,7 +133,9 @@ class Store:
         for _ in range(3):
             if gen_id is None:
                 return None
-            st = lstat_own(key_dir / gen_id, "a generation must be a directory of its key")
+            st = lstat_refusing_symlink(
+                key_dir / gen_id, "a generation must be a directory of its key"
+            )
             if st is not None and stat.S_ISDIR(st.st_mode):
                 return key_dir / gen_id
             # Collected after we read CURRENT: CURRENT must have moved on since.
@@ -155,7 +157,7 @@ class Store:
         path = self.root
         for segment in key.split("/"):
             path = path / segment
-            st = lstat_own(path, "a key's directories must be the store's own")
+            st = lstat_refusing_symlink(path, "a key's directories must be the store's own")
             if st is None:
                 return  # nothing published there yet
             if not stat.S_ISDIR(st.st_mode):
