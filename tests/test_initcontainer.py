@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelcache import initcontainer
+from kernelcache import contract, node, stamp_policy
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, NoGpuInfoError, SpecError
 from kernelcache.spec import SIGNING_KEY_FILE
@@ -165,7 +165,7 @@ class Pod:
             return
         left = sorted(p.relative_to(self.target).as_posix() for p in self.target.rglob("*"))
         assert not [p for p in left if p.endswith(".complete")], left
-        assert initcontainer.ENV_FILE not in left and initcontainer.REPORT_FILE not in left, left
+        assert contract.ENV_FILE not in left and contract.REPORT_FILE not in left, left
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def pod(tmp_path: Path) -> Pod:
 
 
 def read_env(pod: Pod) -> dict[str, str]:
-    text = (pod.target / initcontainer.ENV_FILE).read_text()
+    text = (pod.target / contract.ENV_FILE).read_text()
     return dict(line.split("=", 1) for line in shlex.split(text, posix=True))
 
 
@@ -593,13 +593,14 @@ def test_labels_from_the_node_map_pick_and_materialize_the_generation(
     assert env["KERNELCACHE_DIR"] == str(copy)
     assert env["KERNELCACHE_ARCH"] == ARCH
     assert env["KERNELCACHE_NAME"] == f"{NS}/{NAME}"
-    assert env["KERNELCACHE_GENERATION"] == gen.name
-    assert env["KERNELCACHE_GPU_PRODUCT"] == "NVIDIA-H200"
-    assert env["KERNELCACHE_TUNING_DROPPED"] == "0"
+    assert sorted(env) == ["KERNELCACHE_ARCH", "KERNELCACHE_DIR", "KERNELCACHE_NAME"]
     assert (copy / ".complete").is_file()
     for rel, data in {**COMPILED, **TUNING}.items():
         assert (copy / "files" / rel).read_bytes() == data
-    report = json.loads((pod.target / initcontainer.REPORT_FILE).read_text())
+    report = json.loads((pod.target / contract.REPORT_FILE).read_text())
+    assert report["generation"] == gen.name
+    assert report["gpu_product"] == "NVIDIA-H200"
+    assert report["tuning_dropped"] == 0
     assert report["arch_source"] == "node gpu-h200 labels"
     assert not pod.termination_log.exists()
 
@@ -614,14 +615,13 @@ def test_permissive_drops_the_tuning_of_another_product_and_starts(pod: Pod) -> 
     assert warning.startswith("kernelcache: warning: gpu_product: NVIDIA H200 != NVIDIA H100")
     assert "dropped 2 tuning files" in warning
     env = read_env(pod)
-    assert env["KERNELCACHE_TUNING_DROPPED"] == "2"
     copy = Path(env["KERNELCACHE_DIR"])
     assert copy == pod.target / f"{gen.name}-untuned" and (copy / ".complete").is_file()
     for rel, data in COMPILED.items():
         assert (copy / "files" / rel).read_bytes() == data
     for rel in TUNING:
         assert not (copy / "files" / rel).exists()
-    report = json.loads((pod.target / initcontainer.REPORT_FILE).read_text())
+    report = json.loads((pod.target / contract.REPORT_FILE).read_text())
     assert report["tuning_dropped"] == 2 and sorted(report["dropped_files"]) == sorted(TUNING)
     assert [p.name for p in pod.target.iterdir() if p.name.startswith(".")] == []
 
@@ -632,7 +632,8 @@ def test_nvidia_smi_names_the_arch_and_product_when_nothing_else_does(pod: Pod) 
     proc = pod.verify(*BY_NAME)
     assert proc.returncode == 0, proc.stderr
     env = read_env(pod)
-    assert env["KERNELCACHE_ARCH"] == ARCH and env["KERNELCACHE_GPU_PRODUCT"] == PRODUCT
+    report = json.loads((pod.target / contract.REPORT_FILE).read_text())
+    assert env["KERNELCACHE_ARCH"] == ARCH and report["gpu_product"] == PRODUCT
 
 
 def test_signed_generation_with_the_right_key_verifies(pod: Pod, tmp_path: Path) -> None:
@@ -654,12 +655,12 @@ def test_compile_only_generation_needs_no_gpu_product(pod: Pod) -> None:
 def test_a_failed_rerun_takes_back_the_earlier_env_file(pod: Pod) -> None:
     gen = publish(pod.store)
     assert pod.verify(*BY_KEY).returncode == 0
-    assert (pod.target / initcontainer.ENV_FILE).is_file()
+    assert (pod.target / contract.ENV_FILE).is_file()
     flip_byte(gen, pod.tmp)
     proc = pod.verify(*BY_KEY)
     assert proc.returncode == ExitCode.INTEGRITY
-    assert not (pod.target / initcontainer.ENV_FILE).exists()
-    assert not (pod.target / initcontainer.REPORT_FILE).exists()
+    assert not (pod.target / contract.ENV_FILE).exists()
+    assert not (pod.target / contract.REPORT_FILE).exists()
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -707,7 +708,7 @@ def test_a_failed_rerun_takes_back_the_earlier_env_file(pod: Pod) -> None:
     ],
 )
 def test_arch_from_labels(labels: dict[str, str], expected: tuple) -> None:
-    assert initcontainer.arch_from_labels(labels) == expected
+    assert node.arch_from_labels(labels) == expected
 
 
 @pytest.mark.parametrize(
@@ -716,7 +717,7 @@ def test_arch_from_labels(labels: dict[str, str], expected: tuple) -> None:
 def test_arch_from_labels_refuses_a_malformed_compute_capability(cc: tuple[str, str]) -> None:
     labels = {"nvidia.com/gpu.compute.major": cc[0], "nvidia.com/gpu.compute.minor": cc[1]}
     with pytest.raises(NoGpuInfoError, match=r"nvidia\.com/gpu\.compute\.major"):
-        initcontainer.arch_from_labels(labels)
+        node.arch_from_labels(labels)
 
 
 def no_gpus() -> list[tuple[str, str]]:
@@ -731,29 +732,29 @@ def test_discovery_order_override_then_labels_then_nvidia_smi(monkeypatch) -> No
         read.append(node)
         return {**H200_LABELS, "nvidia.com/gpu.compute.major": "10"}
 
-    both = initcontainer.discover_node(
+    both = node.discover_node(
         arch="sm_120a", gpu_product="X", node_name="n", env={}, label_reader=labels
     )
     assert (both.arch, both.arch_source, both.product) == ("sm_120a", "--arch", "X")
     assert read == []  # nothing left to ask the API for
 
-    from_env = initcontainer.discover_node(
+    from_env = node.discover_node(
         env={"KERNELCACHE_ARCH": "sm_90a", "KERNELCACHE_NODE_NAME": "n"}, label_reader=labels
     )
     assert (from_env.arch, from_env.arch_source) == ("sm_90a", "KERNELCACHE_ARCH")
     assert (from_env.product, from_env.product_source) == ("NVIDIA-H200", "node n labels")
 
-    from_labels = initcontainer.discover_node(node_name="n", env={}, label_reader=labels)
+    from_labels = node.discover_node(node_name="n", env={}, label_reader=labels)
     assert (from_labels.arch, from_labels.arch_source) == ("sm_100a", "node n labels")
 
-    from_smi = initcontainer.discover_node(env={}, label_reader=labels)
+    from_smi = node.discover_node(env={}, label_reader=labels)
     assert (from_smi.arch, from_smi.product, from_smi.arch_source) == (
         "sm_90a",
         "NVIDIA H100 80GB HBM3",
         "nvidia-smi",
     )
     # A product seen by nvidia-smi on GPUs of another arch is not this arch's product.
-    other = initcontainer.discover_node(arch="sm_100a", env={}, label_reader=labels)
+    other = node.discover_node(arch="sm_100a", env={}, label_reader=labels)
     assert (other.arch, other.product) == ("sm_100a", None)
 
 
@@ -763,7 +764,7 @@ def test_discovery_says_what_it_tried(monkeypatch) -> None:
     def unreachable(node: str) -> dict[str, str]:
         raise NoGpuInfoError(f"node {node}: labels not read: API answered 403 Forbidden")
 
-    info = initcontainer.discover_node(node_name="n1", env={}, label_reader=unreachable)
+    info = node.discover_node(node_name="n1", env={}, label_reader=unreachable)
     assert info.arch is None and info.product is None
     assert info.tried == (
         "no --arch or KERNELCACHE_ARCH",
@@ -771,7 +772,7 @@ def test_discovery_says_what_it_tried(monkeypatch) -> None:
         "nvidia-smi is not on PATH",
     )
     with pytest.raises(NoGpuInfoError, match="not an arch like sm_90a"):
-        initcontainer.discover_node(arch="hopper", env={})
+        node.discover_node(arch="hopper", env={})
 
 
 def manifest_with(paths: list[str], report: dict | None = None) -> Manifest:
@@ -799,7 +800,7 @@ def test_tune_scoped_files_by_name_and_by_report() -> None:
         ],
         {"warmers": [{"warmer": "x", "tactics": {"file": "vllm/tuned/moe.json"}}, "junk"]},
     )
-    assert sorted(initcontainer.tune_scoped_files(manifest)) == [
+    assert sorted(stamp_policy.tune_scoped_files(manifest)) == [
         "flashinfer/tactics/nvidia-h200.json",
         "inductor/xy/triton_poi_fused.best_config",
         "triton/abc/matmul.autotune.json",
@@ -808,13 +809,13 @@ def test_tune_scoped_files_by_name_and_by_report() -> None:
 
 
 def test_parse_expect_factor() -> None:
-    assert initcontainer.parse_expect_factor("dist/torch=2.11.0 record=ab=") == (
+    assert stamp_policy.parse_expect_factor("dist/torch=2.11.0 record=ab=") == (
         "dist/torch",
         "2.11.0 record=ab=",
     )
     for bad in ("dist/torch", "=2.11.0"):
         with pytest.raises(SpecError):
-            initcontainer.parse_expect_factor(bad)
+            stamp_policy.parse_expect_factor(bad)
 
 
 def test_the_node_map_reader_names_what_is_missing(node_map: NodeMap, tmp_path: Path) -> None:

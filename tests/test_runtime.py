@@ -27,8 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kernelcache import stamp as stamps
+from kernelcache.contract import Settings
 from kernelcache.errors import ExitCode, SpecError
-from kernelcache.runtime import RuntimeConfig, hooks, metrics
+from kernelcache.runtime import hooks, metrics
 from kernelcache.runtime.hooks import BuildLogTail
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
@@ -187,7 +188,7 @@ def free_port() -> int:
 
 
 def test_config_reads_the_environment_contract(tmp_path):
-    config = RuntimeConfig.from_env(
+    config = Settings.from_env(
         {
             "KERNELCACHE_DIR": str(tmp_path),
             "KERNELCACHE_STRICT": "1",
@@ -202,7 +203,7 @@ def test_config_reads_the_environment_contract(tmp_path):
     assert (config.name, config.arch) == ("llm/qwen", "sm_90a")
     assert config.flashinfer_build_log == tmp_path / "builds.jsonl"
     assert config.flashinfer_min_build_seconds == 2.0
-    assert RuntimeConfig.from_env({}) == RuntimeConfig()
+    assert Settings.from_env({}) == Settings()
 
 
 @pytest.mark.parametrize(
@@ -215,7 +216,7 @@ def test_config_reads_the_environment_contract(tmp_path):
 )
 def test_a_malformed_variable_is_named(name, value):
     with pytest.raises(SpecError, match=name):
-        RuntimeConfig.from_env({name: value})
+        Settings.from_env({name: value})
 
 
 def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(

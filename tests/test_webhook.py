@@ -27,7 +27,6 @@ from kernelcache.controller.config import OperatorConfig  # noqa: E402
 from kernelcache.controller.kube import ApiError, kernelcache_path  # noqa: E402
 from kernelcache.controller.webhook import (  # noqa: E402
     ANNOTATION_CONTAINERS,
-    ANNOTATION_FLASHINFER_AOT,
     ANNOTATION_IMAGE_POLICY,
     Denied,
     apply_ops,
@@ -402,19 +401,13 @@ def test_strict_and_permissive_env() -> None:
     assert env_of(permissive["spec"]["containers"][0])["KERNELCACHE_RUNTIME"] == "1"
 
 
-def test_flashinfer_disable_jit_only_with_the_aot_signal() -> None:
-    aot = {ANNOTATION_FLASHINFER_AOT: "true"}
-    with_aot = env_of(mutated(the_pod(), kernelcache(annotations=aot))["spec"]["containers"][0])
-    assert with_aot["FLASHINFER_DISABLE_JIT"] == "1"
-    without = env_of(mutated(the_pod(), kernelcache())["spec"]["containers"][0])
-    assert "FLASHINFER_DISABLE_JIT" not in without
-    other = {ANNOTATION_FLASHINFER_AOT: "false"}
-    assert "FLASHINFER_DISABLE_JIT" not in env_of(
-        mutated(the_pod(), kernelcache(annotations=other))["spec"]["containers"][0]
-    )
-    # Permissive never takes serving down: JIT stays available even with AOT modules.
-    permissive = mutated(the_pod(), kernelcache("permissive", annotations=aot))
-    assert "FLASHINFER_DISABLE_JIT" not in env_of(permissive["spec"]["containers"][0])
+def test_flashinfer_jit_is_left_to_the_serving_side() -> None:
+    """The generation's own FlashInfer AOT modules decide FLASHINFER_DISABLE_JIT in serving;
+    the webhook, which cannot see the generation, sets it under no annotation."""
+    aot = {"kernelcache.dev/flashinfer-aot": "true"}
+    for kc in (kernelcache(annotations=aot), kernelcache(), kernelcache("permissive")):
+        serving = mutated(the_pod(), kc)["spec"]["containers"][0]
+        assert "FLASHINFER_DISABLE_JIT" not in env_of(serving)
 
 
 def test_a_variable_the_pod_sets_is_kept() -> None:

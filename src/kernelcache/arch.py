@@ -9,6 +9,8 @@ compares it with the installed DSL so a new arch is noticed.
 
 from __future__ import annotations
 
+import re
+
 KNOWN_ARCHES = (
     "sm_75",
     "sm_80", "sm_86", "sm_87", "sm_89",
@@ -34,3 +36,15 @@ def arch_problem(arch: str) -> str | None:
 def _major(arch: str) -> str:
     """sm_90a -> "9", sm_121f -> "12": the digits but the last (the minor version)."""
     return arch.removeprefix("sm_").rstrip("af")[:-1]
+
+
+def from_compute_capability(major: int, minor: int) -> str:
+    """9.0 -> sm_90a: from Hopper on, arch-specific features need the "a" target, the one
+    kernels are built for."""
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def product_slug(product: str) -> str:
+    """One spelling of a GPU product: nvidia-smi says "NVIDIA H200", GFD labels say
+    "NVIDIA-H200"; both are ``nvidia-h200``."""
+    return re.sub(r"[^a-z0-9]+", "-", product.lower()).strip("-")

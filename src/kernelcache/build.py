@@ -24,6 +24,7 @@ from typing import Any
 
 from kernelcache import progress
 from kernelcache import stamp as stamps
+from kernelcache.contract import CacheKey, image_reference
 from kernelcache.errors import ExitCode, StorageError, one_line
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
@@ -31,7 +32,7 @@ from kernelcache.warm import make_warmers, run_warmers
 
 
 def cache_key(kc: KernelCache, arch: str) -> str:
-    return f"{kc.metadata.namespace}/{kc.metadata.name}/{arch}"
+    return str(CacheKey(kc.metadata.namespace, kc.metadata.name, arch))
 
 
 @dataclass
@@ -97,9 +98,7 @@ def workload_of(kc: KernelCache, arch: str) -> list[dict[str, Any]]:
 
 def declared_factors(kc: KernelCache) -> dict[str, str]:
     """What the spec declares about the serving side: a new model or image is a new generation."""
-    image = kc.spec.engine.image
-    if kc.spec.engine.image_digest:
-        image += "@" + kc.spec.engine.image_digest
+    image = image_reference(kc.spec.engine.image, kc.spec.engine.image_digest)
     return {"model": kc.spec.model, "engine_image": image}
 
 
@@ -261,10 +260,7 @@ def write_result(path: Path, result: ArchResult) -> None:
 
 def check_environment(manifest: Manifest, arch: str | None = None) -> None:
     """Refuse a generation whose stamp differs from this environment, naming the factor."""
-    recorded = stamps.Stamp.from_dict(manifest.stamp)
-    here = stamps.environment_stamp(recorded, arch)
-    sides = (stamps.generation_side(manifest.generation), stamps.ENVIRONMENT_SIDE)
-    error = stamps.stamp_mismatch(stamps.explain(recorded, here), sides)
+    error = stamps.check_environment(manifest.stamp, manifest.generation, arch).error
     if error is not None:
         raise error
 

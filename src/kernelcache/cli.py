@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kernelcache import __version__, output
+from kernelcache import __version__, contract, nodemap, output
 from kernelcache.errors import (
     EXIT_CODE_HELP,
     ExitCode,
@@ -106,7 +106,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     (arch,) = _arches(kc, [args.arch])
     if args.result is not None:
         _check_output_dir(args.result, "--result")
-    if args.progress or os.environ.get(progress.ENV) == "1":
+    if args.progress or contract.PROGRESS.read(os.environ):
         progress.show()
     result = build.warm_arch(
         kc,
@@ -134,6 +134,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     A failure is also written to the termination log, where `kubectl describe pod` shows it.
     """
     from kernelcache import initcontainer
+    from kernelcache.stamp_policy import parse_expect_factor
 
     log = args.termination_log or initcontainer.default_termination_log()
     try:
@@ -151,7 +152,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             node_name=args.node_name,
             node_map=args.node_map,
             expect_image=args.expect_image,
-            expect_factors=dict(map(initcontainer.parse_expect_factor, args.expect_factor)),
+            expect_factors=dict(map(parse_expect_factor, args.expect_factor)),
             check_env=args.check_env,
             policy=args.policy,
             public_key=args.public_key,
@@ -482,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--progress",
         action="store_true",
-        help="print each warmer and kernel compiled to stderr (or KERNELCACHE_PROGRESS=1)",
+        help=f"print each warmer and kernel compiled to stderr (or {contract.PROGRESS.name}=1)",
     )
     json_arg(p, "warm.json")
 
@@ -492,15 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", help="the KernelCache's namespace (with --name)")
     p.add_argument("--name", help="the KernelCache's name: the key is NAMESPACE/NAME/<node arch>")
     p.add_argument("-f", "--file", type=_path, help="KernelCache YAML (its namespace and name)")
-    p.add_argument("--arch", help="this node's SM arch, e.g. sm_90a (else KERNELCACHE_ARCH)")
-    p.add_argument("--gpu-product", help="this node's GPU product (else KERNELCACHE_GPU_PRODUCT)")
+    p.add_argument("--arch", help=f"this node's SM arch, e.g. sm_90a (else {contract.ARCH.name})")
     p.add_argument(
-        "--node-name", help="read the arch from this node's GPU labels (else KERNELCACHE_NODE_NAME)"
+        "--gpu-product", help=f"this node's GPU product (else {contract.GPU_PRODUCT.name})"
+    )
+    p.add_argument(
+        "--node-name",
+        help=f"read the arch from this node's GPU labels (else {contract.NODE_NAME.name})",
     )
     p.add_argument(
         "--node-map",
         type=Path,
-        help="the operator's node map, mounted (else KERNELCACHE_NODE_MAP, /etc/kernelcache/nodes)",
+        help=f"the operator's node map (else {contract.NODE_MAP.name}, {nodemap.MOUNT_DIR})",
     )
     p.add_argument(
         "--expect-image", metavar="IMAGE[@sha256:...]", help="the pod's engine image must match"
@@ -521,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policy",
-        choices=["strict", "permissive"],
+        choices=contract.POLICIES,
         default="strict",
         help="tuning from another GPU product: refuse (strict) or drop it with a warning",
     )

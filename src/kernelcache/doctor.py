@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernelcache import contract
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
 from kernelcache.warm import CACHE_ENV
@@ -195,10 +196,10 @@ def _check_hook(report: Report) -> None:
     if found is None:
         detail = f"{HOOK_FILE} is in no site directory: call kernelcache.runtime.install()"
         report.add("startup-hook", "warn", detail)
-    elif os.environ.get("KERNELCACHE_RUNTIME") == "1":
-        report.add("startup-hook", "ok", f"{found}, enabled (KERNELCACHE_RUNTIME=1)")
+    elif contract.RUNTIME.read(os.environ):
+        report.add("startup-hook", "ok", f"{found}, enabled ({contract.RUNTIME.name}=1)")
     else:
-        report.add("startup-hook", "warn", f"{found}, off (KERNELCACHE_RUNTIME is not 1)")
+        report.add("startup-hook", "warn", f"{found}, off ({contract.RUNTIME.name} is not 1)")
 
 
 def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:

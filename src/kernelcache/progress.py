@@ -30,8 +30,6 @@ class KernelTiming:
         return asdict(self)
 
 
-# Set (to 1) on compile Jobs: the flag's equivalent, which an older kernelcache ignores.
-ENV = "KERNELCACHE_PROGRESS"
 # A warm's result keeps its slowest kernels only: it is a Job's termination message (4 KiB).
 SLOWEST_KEPT = 5
 

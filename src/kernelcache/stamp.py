@@ -41,7 +41,8 @@ from typing import Any
 
 import blake3
 
-from kernelcache.arch import arch_problem
+from kernelcache import contract
+from kernelcache.arch import arch_problem, from_compute_capability
 from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
 from kernelcache.settings import SETTING_PREFIX, compile_settings
 from kernelcache.sources import SourceError, find_spec_without_import, module_sources
@@ -354,6 +355,27 @@ def stamp_mismatch(
     return StampMismatchError(f"stamp mismatch: {diffs[0].describe(sides)}{more}")
 
 
+@dataclass(frozen=True)
+class EnvironmentCheck:
+    """A generation's recorded stamp against this environment's, and the error they make."""
+
+    recorded: Stamp
+    diffs: list[FactorDiff]
+    error: StampMismatchError | None
+
+
+def check_environment(
+    stamp: Mapping[str, Any], generation: str, arch: str | None = None
+) -> EnvironmentCheck:
+    """Compare a manifest's stamp with this environment (``arch``: this node's, else the
+    stamp's); the error names the first factor that differs. The init-container's
+    ``--check-env`` and the runtime's start both ask this."""
+    recorded = Stamp.from_dict(stamp)
+    diffs = explain(recorded, environment_stamp(recorded, arch))
+    sides = (generation_side(generation), ENVIRONMENT_SIDE)
+    return EnvironmentCheck(recorded, diffs, stamp_mismatch(diffs, sides))
+
+
 def _declared(kind: str, name: str, value: str) -> str:
     """A caller-declared factor value, refused when it is a host path."""
     if not isinstance(name, str) or not name:
@@ -423,8 +445,7 @@ def _arch_from_compute_cap(cap: str) -> str:
     match = _COMPUTE_CAP.match(cap)
     if match is None:
         raise NoGpuInfoError(f"nvidia-smi reported compute capability {cap!r}, not like 9.0")
-    major, minor = int(match[1]), int(match[2])
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return from_compute_capability(int(match[1]), int(match[2]))
 
 
 def _nvidia_smi(query: str) -> list[str]:
@@ -457,7 +478,6 @@ def _nvidia_smi(query: str) -> list[str]:
 # ------------------------------------------------------------------ toolchain-keyed factors
 
 SM_COUNT_FACTOR = "gpu/sm_count"
-SM_COUNT_ENV = "KERNELCACHE_SM_COUNT"
 
 
 def detect_sm_count() -> int | None:
@@ -466,11 +486,8 @@ def detect_sm_count() -> int | None:
     The driver is asked in a child process: ``cuInit`` in this one would break CUDA in any
     process it forks later (a serving engine's workers), and torch would not know.
     """
-    value = os.environ.get(SM_COUNT_ENV)
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise SpecError(f"{SM_COUNT_ENV}={value!r} is not a positive SM count")
-        return int(value)
+    if (count := contract.SM_COUNT.read(os.environ)) is not None:
+        return count
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _DRIVER_SM_COUNT],

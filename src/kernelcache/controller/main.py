@@ -18,6 +18,13 @@ from typing import Any, cast
 
 import kopf
 
+from kernelcache.contract import (
+    LABEL_CACHE,
+    LABEL_CACHE_UID,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+)
 from kernelcache.controller import metrics, webhook
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
@@ -29,13 +36,7 @@ from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
 from kernelcache.controller.kube import Kube
-from kernelcache.controller.manifests import (
-    COMPILE,
-    LABEL_CACHE_UID,
-    LABEL_COMPONENT,
-    LABEL_MANAGED_BY,
-    MANAGED_BY,
-)
+from kernelcache.controller.manifests import COMPILE
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
 
@@ -179,7 +180,7 @@ def _operation(kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("operation") or "CREATE")
 
 
-@kopf.on.mutate("pods", labels={webhook.LABEL_CACHE: kopf.PRESENT}, operations=["CREATE"])
+@kopf.on.mutate("pods", labels={LABEL_CACHE: kopf.PRESENT}, operations=["CREATE"])
 def inject(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
 ) -> None:

@@ -31,18 +31,20 @@ from typing import Any
 
 import yaml
 
+from kernelcache.contract import (
+    ANNOTATION_CACHE,
+    LABEL_ARCH,
+    LABEL_ATTEMPT,
+    LABEL_CACHE_UID,
+    LABEL_COMPONENT,
+    LABEL_DIGEST,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PROGRESS,
+    image_reference,
+)
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.spec import API_VERSION, KIND, SIGNING_KEY_FILE, GpuClass, KernelCache
-
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGED_BY = "kernelcache-operator"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_CACHE_UID = "kernelcache.dev/cache-uid"
-LABEL_ARCH = "kernelcache.dev/arch"
-LABEL_DIGEST = "kernelcache.dev/spec-digest"
-LABEL_ATTEMPT = "kernelcache.dev/attempt"
-# Names can be longer than a label value may be (63), so the owner's name is an annotation.
-ANNOTATION_CACHE = "kernelcache.dev/cache"
 
 COMPILE = "compile"
 CLEANUP = "cleanup"
@@ -212,8 +214,7 @@ def gpu_class_for(kc: KernelCache, arch: str) -> GpuClass:
 
 
 def image_of(kc: KernelCache) -> str:
-    engine = kc.spec.engine
-    return f"{engine.image}@{engine.image_digest}" if engine.image_digest else engine.image
+    return image_reference(kc.spec.engine.image, kc.spec.engine.image_digest)
 
 
 def _pod_security(config: OperatorConfig) -> dict[str, Any]:
@@ -302,7 +303,7 @@ def compile_job(
             {"name": "HOME", "value": "/tmp"},  # toolchains keep caches under $HOME
             # Each warmer and kernel in the Job's log; an older kernelcache in the engine
             # image ignores the variable, where it would refuse a flag it does not know.
-            {"name": "KERNELCACHE_PROGRESS", "value": "1"},
+            {"name": PROGRESS.name, "value": "1"},
         ],
         "resources": resources,
         "securityContext": _CONTAINER_SECURITY,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from kernelcache.controller.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+from kernelcache.contract import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
 
 JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
 

@@ -18,20 +18,15 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
   in every serving container;
 - in every serving container: ``KERNELCACHE_RUNTIME=1``,
   ``KERNELCACHE_ENV_FILE=/kernelcache/kernelcache.env`` (what verify wrote: the generation
-  directory and its identity), ``KERNELCACHE_STRICT=1`` under the strict policy, and
-  ``FLASHINFER_DISABLE_JIT=1`` under the strict policy when the KernelCache is annotated
-  ``kernelcache.dev/flashinfer-aot: "true"``. A variable the container already sets is left
-  as the pod's author wrote it;
+  directory, its name and arch; ``kernelcache.envfile``) and ``KERNELCACHE_STRICT=1`` under
+  the strict policy. A variable the container already sets is left as the pod's author
+  wrote it. The policy reaches each container once, in its own form: ``--policy`` for
+  verify (strict by default), ``KERNELCACHE_STRICT`` for the runtime (permissive by
+  default), which must know it even when the env file is missing;
 - for a KernelCache with a vllm warmer: an emptyDir ``kernelcache-vllm-0`` mounted writable
   at the warmer's ``cacheRoot`` in the init-container (verify copies vLLM's cache back there)
   and in every serving container, with ``VLLM_CACHE_ROOT`` set to it (vLLM's cache holds
   absolute paths, and a warm start writes into it).
-
-The FlashInfer AOT signal is an annotation, not a status field, because the CRD's status
-schema prunes unknown fields. Whoever publishes sets it only when the current generation of
-every arch holds FlashInfer AOT modules (``files/flashinfer/aot``): the pod may land on any
-arch, and ``FLASHINFER_DISABLE_JIT`` refuses every module that is not prebuilt (see
-``docs/flashinfer.md``). Absent or anything but ``"true"``: off.
 
 Pod annotations:
 
@@ -55,7 +50,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from kernelcache import nodemap
+from kernelcache import contract, nodemap
+from kernelcache.contract import ANNOTATION_CONTAINERS, ANNOTATION_IMAGE_POLICY, LABEL_CACHE
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, kernelcache_path
 from kernelcache.controller.manifests import (
@@ -66,13 +62,8 @@ from kernelcache.controller.manifests import (
 )
 from kernelcache.errors import SpecError
 from kernelcache.images import InvalidImageReference, parse_image, same_image
-from kernelcache.initcontainer import ENV_FILE
 from kernelcache.spec import PUBLIC_KEY_FILE, KernelCache, parse_kernelcache
 
-LABEL_CACHE = "kernelcache.dev/cache"
-ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
-ANNOTATION_CONTAINERS = "kernelcache.dev/containers"
-ANNOTATION_FLASHINFER_AOT = "kernelcache.dev/flashinfer-aot"
 IMAGE_POLICIES = ("deny", "warn")
 
 INIT_CONTAINER = "kernelcache"
@@ -233,7 +224,7 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
         "args": args,
         "env": [
             {
-                "name": "KERNELCACHE_NODE_NAME",
+                "name": contract.NODE_NAME.name,
                 "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
             }
         ],
@@ -282,16 +273,16 @@ def vllm_mounts(kc: KernelCache) -> list[dict[str, Any]]:
     return [{"name": f"{VLLM_VOLUME}-{i}", "mountPath": root} for i, root in enumerate(roots)]
 
 
-def serving_env(kc: KernelCache, raw: dict[str, Any]) -> list[dict[str, str]]:
-    """The variables every serving container gets (``raw``: the KernelCache as read)."""
-    strict = kc.spec.verification.policy == "strict"
-    env = {"KERNELCACHE_RUNTIME": "1", "KERNELCACHE_ENV_FILE": f"{CACHE_DIR}/{ENV_FILE}"}
+def serving_env(kc: KernelCache) -> list[dict[str, str]]:
+    """The variables every serving container gets."""
+    env = {
+        contract.RUNTIME.name: "1",
+        contract.ENV_FILE_PATH.name: f"{CACHE_DIR}/{contract.ENV_FILE}",
+    }
     if roots := kc.spec.vllm_cache_roots():
         env["VLLM_CACHE_ROOT"] = roots[0]
-    if strict:
-        env["KERNELCACHE_STRICT"] = "1"
-        if _annotations(raw).get(ANNOTATION_FLASHINFER_AOT) == "true":
-            env["FLASHINFER_DISABLE_JIT"] = "1"
+    if kc.spec.verification.policy == "strict":
+        env[contract.STRICT.name] = "1"
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
@@ -352,7 +343,7 @@ def mutate_pod(
     ops: Patch = []
     _append(ops, spec, "/spec", "initContainers", [init_container(kc, config)])
     _append(ops, spec, "/spec", "volumes", new_volumes)
-    env = serving_env(kc, kernelcache)
+    env = serving_env(kc)
     mount = {"name": CACHE_VOLUME, "mountPath": CACHE_DIR, "readOnly": True}
     for i, container in serving:
         if any(m.get("mountPath") == CACHE_DIR for m in container.get("volumeMounts") or []):

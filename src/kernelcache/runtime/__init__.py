@@ -2,7 +2,7 @@
 
 ``install()`` (or ``KERNELCACHE_RUNTIME=1`` with the ``zz_kernelcache_runtime.pth`` hook, which
 calls it at interpreter start, so that engines need no code change; the hook belongs in the
-site-packages that holds kernelcache and its dependencies) reads one ``RuntimeConfig`` from
+site-packages that holds kernelcache and its dependencies) reads one ``contract.Settings`` from
 the environment and then:
 
 1. checks the generation's stamp against this environment (``kernelcache_stamp_mismatch``,
@@ -24,24 +24,10 @@ the environment and then:
    engine's model and the cache root (``vllm_root``) against the generation's stamp;
 6. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
 
-The environment contract (read once, by ``RuntimeConfig.from_env``):
-
-=========================================  ==================================================
-``KERNELCACHE_DIR``                        materialized generation root (``MANIFEST.json``,
-                                           ``files/``); unset: count compiles only
-``KERNELCACHE_STRICT``                     ``1``: a compile in serving raises (see hooks)
-``KERNELCACHE_METRICS_PORT``               port for ``/metrics``; ``0`` or unset: none
-``KERNELCACHE_METRICS_ADDRESS``            address to bind, ``0.0.0.0`` by default
-``KERNELCACHE_NAME``                       ``name`` label; default: the manifest's key
-``KERNELCACHE_ARCH``                       this node's arch (``sm_90a``): label and stamp
-                                           check; default: the generation's
-``KERNELCACHE_FLASHINFER_MIN_BUILD_S``     a FlashInfer build-log line counts as a build
-                                           from this many seconds (default 0.5)
-``KERNELCACHE_POLL_S``                     how often the build log and Triton's cache
-                                           directory are read (default 1.0)
-``FLASHINFER_JIT_BUILD_LOG``               FlashInfer's build log; set to a file in the temp
-                                           dir when unset and FlashInfer is installed
-=========================================  ==================================================
+The environment contract is ``kernelcache.contract``: every ``KERNELCACHE_*`` variable, read
+once into a ``contract.Settings`` (a malformed value is one SpecError line naming it), after
+the init-container's env file (``KERNELCACHE_ENV_FILE``, ``kernelcache.envfile``) is taken
+as defaults.
 
 Nothing here imports torch, Triton, the DSL or FlashInfer; the generation's manifest and
 stamp are read with kernelcache's own (pure Python) modules, only when a generation is set.
@@ -54,26 +40,24 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernelcache import envfile
+from kernelcache.contract import CacheKey, Settings
 from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
     MissingGenerationError,
-    SpecError,
     StorageError,
 )
 from kernelcache.runtime import hooks, metrics, vllm
 from kernelcache.runtime.metrics import serve_metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from kernelcache.stamp import FactorDiff
     from kernelcache.store import Manifest
 
@@ -82,7 +66,6 @@ __all__ = [
     "MEGACACHE_FILE",
     "SERVING_SETTINGS",
     "Runtime",
-    "RuntimeConfig",
     "autoinstall",
     "install",
     "observe_torch",
@@ -112,80 +95,11 @@ MEGACACHE_FILE = "torch-compile/megacache.bin"
 FLASHINFER_AOT_SUBDIR = "flashinfer/aot"
 
 
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """How the serving process uses its cache; ``from_env`` reads it from ``KERNELCACHE_*``."""
-
-    # KERNELCACHE_DIR: the generation directory the init-container materialized (it holds
-    # MANIFEST.json and files/). None: no generation, compiles are only counted.
-    generation_dir: Path | None = None
-    # KERNELCACHE_STRICT=1: a compile in serving raises ColdCompileError where a toolchain
-    # allows refusing it, and a stamp mismatch refuses to start.
-    strict: bool = False
-    # KERNELCACHE_METRICS_PORT: where /metrics is served; 0 serves nothing.
-    metrics_port: int = 0
-    # KERNELCACHE_METRICS_ADDRESS: the address /metrics binds.
-    metrics_address: str = "0.0.0.0"
-    # KERNELCACHE_NAME: the generation_info name label (the KernelCache's namespace/name);
-    # None: taken from the manifest's key.
-    name: str | None = None
-    # KERNELCACHE_ARCH: this node's SM arch, for the label and the stamp check; None: the
-    # generation's own arch (the init-container already matched it to the node).
-    arch: str | None = None
-    # FLASHINFER_JIT_BUILD_LOG: the JSON-lines log FlashInfer appends each module build to.
-    flashinfer_build_log: Path | None = None
-    # KERNELCACHE_FLASHINFER_MIN_BUILD_S: shorter build-log entries are warm loads (ninja
-    # no-ops take ~0.01 s; the fastest real module build takes seconds).
-    flashinfer_min_build_seconds: float = 0.5
-    # KERNELCACHE_POLL_S: seconds between two reads of the FlashInfer build log and of Triton's
-    # cache directory.
-    poll_seconds: float = 1.0
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
-        """Read the config; a malformed value is a SpecError naming the variable."""
-        env = os.environ if environ is None else environ
-        directory = env.get("KERNELCACHE_DIR")
-        build_log = env.get("FLASHINFER_JIT_BUILD_LOG")
-        return cls(
-            generation_dir=Path(directory) if directory else None,
-            strict=_flag(env, "KERNELCACHE_STRICT"),
-            metrics_port=int(_number(env, "KERNELCACHE_METRICS_PORT", 0, int)),
-            metrics_address=env.get("KERNELCACHE_METRICS_ADDRESS") or cls.metrics_address,
-            name=env.get("KERNELCACHE_NAME") or None,
-            arch=env.get("KERNELCACHE_ARCH") or None,
-            flashinfer_build_log=Path(build_log) if build_log else None,
-            flashinfer_min_build_seconds=_number(env, "KERNELCACHE_FLASHINFER_MIN_BUILD_S", 0.5),
-            poll_seconds=_number(env, "KERNELCACHE_POLL_S", 1.0),
-        )
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    # Exactly "1", as runtime.cute reads KERNELCACHE_STRICT: "true" must not mean two things.
-    value = env.get(name, "")
-    if value not in ("", "0", "1"):
-        raise SpecError(f"{name}={value!r}: expected 1 or 0")
-    return value == "1"
-
-
-def _number(env: Mapping[str, str], name: str, default: float, kind: type = float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= 0") from None
-    if value < 0:
-        raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= 0")
-    return float(value)
-
-
 @dataclass
 class Runtime:
     """What ``install()`` did in this process."""
 
-    config: RuntimeConfig
+    config: Settings
     manifest: Manifest | None = None
     # Factors in which the generation's stamp differs from this environment.
     stamp_diffs: list[FactorDiff] = field(default_factory=list)
@@ -209,8 +123,8 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     global _installed
     if _installed is not None:
         return _installed
-    _read_env_file()
-    config = RuntimeConfig.from_env()
+    envfile.apply()
+    config = Settings.from_env()
     if generation_dir is not None:
         config = replace(config, generation_dir=Path(generation_dir))
     runtime = Runtime(config)
@@ -226,35 +140,6 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     return runtime
 
 
-ENV_FILE_VAR = "KERNELCACHE_ENV_FILE"
-
-
-def _read_env_file() -> None:
-    """Take the init-container's ``kernelcache.env`` (``$KERNELCACHE_ENV_FILE``) as defaults.
-
-    The init-container writes ``NAME=value`` lines (shell-quoted) naming the materialized
-    generation; variables set on the container itself win. A named file that is missing
-    means the init-container did not run: counted as serving without a generation, and
-    refused in strict mode.
-    """
-    path = os.environ.get(ENV_FILE_VAR)
-    if not path:
-        return
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        message = f"{ENV_FILE_VAR}={path}: cannot read: {exc.strerror}"
-        if os.environ.get("KERNELCACHE_STRICT") == "1":
-            raise StorageError(message, path=path) from None
-        log.warning("kernelcache: %s; serving without a generation", message)
-        return
-    for line in text.splitlines():
-        words = shlex.split(line, comments=True)
-        if len(words) == 1 and "=" in words[0]:
-            name, _, value = words[0].partition("=")
-            os.environ.setdefault(name, value)
-
-
 def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     """Read and stamp-check the generation; its files/ directory, or None when unusable."""
     from kernelcache import stamp as stamps
@@ -263,25 +148,22 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     config = runtime.config
     try:
         manifest = _read_manifest(directory)
-        recorded = stamps.Stamp.from_dict(manifest.stamp)
-        diffs = stamps.explain(recorded, stamps.environment_stamp(recorded, config.arch))
+        here = stamps.check_environment(manifest.stamp, manifest.generation, config.arch)
     except KernelCacheError as exc:
         metrics.record_verify_failure(exc.code.name.lower())
         if config.strict:
             raise
         log.warning("kernelcache: %s; serving without a generation", exc.message)
         return None
-    runtime.manifest, runtime.stamp_diffs = manifest, diffs
+    runtime.manifest, runtime.stamp_diffs = manifest, here.diffs
     metrics.set_generation(
-        name=config.name or manifest.key.rsplit("/", 1)[0],
-        arch=config.arch or recorded.factors.get("arch", ""),
+        name=config.name or CacheKey.parse(manifest.key).cache,
+        arch=config.arch or here.recorded.factors.get("arch", ""),
         generation=manifest.generation,
-        stamp=recorded.digest,
-        mismatch=bool(diffs),
+        stamp=here.recorded.digest,
+        mismatch=bool(here.diffs),
     )
-    sides = (stamps.generation_side(manifest.generation), stamps.ENVIRONMENT_SIDE)
-    error = stamps.stamp_mismatch(diffs, sides)
-    if error is not None:
+    if (error := here.error) is not None:
         metrics.record_verify_failure(error.code.name.lower())
         if config.strict:
             raise error
@@ -445,7 +327,7 @@ def _megacache_to_load(files: Path) -> Path | None:
     return blob
 
 
-def _serve(config: RuntimeConfig) -> int | None:
+def _serve(config: Settings) -> int | None:
     try:
         return serve_metrics(config.metrics_port, config.metrics_address)
     except OSError as exc:  # a child process of the server inherits the port: count anyway

@@ -40,10 +40,11 @@ from typing import Any
 
 import blake3
 
+from kernelcache import contract
+
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "KERNELCACHE_CUTE_DSL_DIR"
-STRICT_ENV = "KERNELCACHE_STRICT"
 KEY_FORMAT = "kernelcache.dev/cute-dsl/v2"  # v2: sources of the imported modules
 # Fallback only: CUTE_DSL_* settings that say where to write or what to log.
 _NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
@@ -354,7 +355,7 @@ def default_cache() -> CuteDiskCache:
         os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kernelcache" / "cute-dsl"
     )
     if _default is None or _default.root != root:
-        _default = CuteDiskCache(root, strict=os.environ.get(STRICT_ENV) == "1")
+        _default = CuteDiskCache(root, strict=contract.STRICT.read(os.environ))
     return _default
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernelcache.contract import ANNOTATION_CACHE, LABEL_CACHE_UID
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     JobsOf,
@@ -15,7 +16,6 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     reconcile_kernelcache,
 )
 from kernelcache.controller.kube import ApiError, Kube, kernelcache_path
-from kernelcache.controller.manifests import ANNOTATION_CACHE, LABEL_CACHE_UID
 
 
 def reconcile_job_owner(

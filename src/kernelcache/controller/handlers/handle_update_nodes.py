@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kernelcache import nodemap
+from kernelcache.contract import LABEL_MANAGED_BY, MANAGED_BY
 from kernelcache.controller.kube import Kube, path
-from kernelcache.controller.manifests import LABEL_MANAGED_BY, MANAGED_BY
 
 JSON_PATCH = "application/json-patch+json"
 

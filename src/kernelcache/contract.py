@@ -1,0 +1,257 @@
+"""The names kernelcache's components share, each spelled once.
+
+The operator labels what it creates and the webhook reads pod labels and annotations; the
+webhook and the init-container hand a pod its generation through environment variables and
+the env file; the runtime reads them back. Every such name is here, and every
+``KERNELCACHE_*`` variable is declared once (name, type, default, one line of doc) and read
+into one typed ``Settings`` object, the way Triton's ``knobs`` reads ``TRITON_*``: a
+malformed value is one ``SpecError`` line naming the variable. The generation's own layout
+(``files/``, ``MANIFEST.json``) is the store's (``kernelcache.store``).
+
+Nothing here imports beyond the standard library and ``errors``: every component, the slim
+init-container image included, reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Generic, TypeVar, get_type_hints
+
+from kernelcache.errors import SpecError
+
+__all__ = [
+    "ANNOTATION_CACHE",
+    "ANNOTATION_CONTAINERS",
+    "ANNOTATION_IMAGE_POLICY",
+    "ENV_FILE",
+    "LABEL_ARCH",
+    "LABEL_ATTEMPT",
+    "LABEL_CACHE",
+    "LABEL_CACHE_UID",
+    "LABEL_COMPONENT",
+    "LABEL_DIGEST",
+    "LABEL_MANAGED_BY",
+    "MANAGED_BY",
+    "POLICIES",
+    "REPORT_FILE",
+    "VARIABLES",
+    "CacheKey",
+    "Settings",
+    "Variable",
+    "image_reference",
+]
+
+# --------------------------------------------------------------------------- labels
+
+MANAGED_BY = "kernelcache-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# What an operator-made object is for: "spec" (the spec ConfigMap), "compile" (a Job), ...
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_CACHE_UID = "kernelcache.dev/cache-uid"
+LABEL_ARCH = "kernelcache.dev/arch"
+LABEL_DIGEST = "kernelcache.dev/spec-digest"
+LABEL_ATTEMPT = "kernelcache.dev/attempt"
+# Names can be longer than a label value may be (63), so the owner's name is an annotation.
+ANNOTATION_CACHE = "kernelcache.dev/cache"
+# On a serving pod: the KernelCache it serves from; the webhook mutates only such pods.
+LABEL_CACHE = "kernelcache.dev/cache"
+ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
+ANNOTATION_CONTAINERS = "kernelcache.dev/containers"
+
+# --------------------------------------------------------------------------- the pod's files
+
+# Written by the init-container into the pod's cache volume; the env file last, as the
+# sign that the generation is ready (``kernelcache.envfile``).
+ENV_FILE = "kernelcache.env"
+REPORT_FILE = "kernelcache-verify.json"
+# ``kernelcache verify --policy``: strict refuses what permissive drops or only counts.
+POLICIES = ("strict", "permissive")
+
+
+# --------------------------------------------------------------------------- the cache key
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """``<namespace>/<name>/<arch>``: one KernelCache's generations for one arch."""
+
+    namespace: str
+    name: str
+    arch: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}/{self.arch}"
+
+    @property
+    def cache(self) -> str:
+        """``<namespace>/<name>``: the KernelCache, whatever the arch."""
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> CacheKey:
+        """The key's three parts; the store checks what each may hold."""
+        parts = text.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise SpecError(f"key {text!r}: expected NAMESPACE/NAME/ARCH")
+        return cls(*parts)
+
+
+def image_reference(image: str, digest: str | None) -> str:
+    """The engine image as pulled: ``image@digest`` when the spec pins a digest."""
+    return f"{image}@{digest}" if digest else image
+
+
+# --------------------------------------------------------------------------- variables
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Variable(Generic[T]):
+    """One environment variable: its name, its value when unset or empty, what it means."""
+
+    name: str
+    default: T
+    doc: str
+    parse: Callable[[str, str], T]  # (name, text) -> value; SpecError naming the variable
+
+    def read(self, env: Mapping[str, str]) -> T:
+        text = env.get(self.name, "")
+        return self.default if not text.strip() else self.parse(self.name, text)
+
+
+def _text(name: str, text: str) -> str:
+    return text
+
+
+def _path(name: str, text: str) -> Path | None:
+    return Path(text)
+
+
+def _flag(name: str, text: str) -> bool:
+    # Exactly "1" or "0": "true" must not mean one thing here and another elsewhere.
+    if text not in ("0", "1"):
+        raise SpecError(f"{name}={text!r}: expected 1 or 0")
+    return text == "1"
+
+
+def _count(kind: type[int] | type[float], least: int) -> Callable[[str, str], Any]:
+    def parse(name: str, text: str) -> Any:
+        try:
+            value = kind(text.strip())
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
+        return value
+
+    return parse
+
+
+DIR = Variable[Path | None](
+    "KERNELCACHE_DIR",
+    None,
+    "the materialized generation (MANIFEST.json, files/); unset: count compiles only",
+    _path,
+)
+STRICT = Variable(
+    "KERNELCACHE_STRICT",
+    False,
+    "1: a compile in serving raises, and a stamp mismatch or missing generation refuses",
+    _flag,
+)
+ENV_FILE_PATH = Variable[Path | None](
+    "KERNELCACHE_ENV_FILE",
+    None,
+    "the init-container's env file, read as defaults for these variables at install()",
+    _path,
+)
+RUNTIME = Variable(
+    "KERNELCACHE_RUNTIME", False, "1: the .pth hook calls runtime.install() at start", _flag
+)
+METRICS_PORT = Variable(
+    "KERNELCACHE_METRICS_PORT", 0, "port for /metrics; 0 or unset: none", _count(int, 0)
+)
+METRICS_ADDRESS = Variable(
+    "KERNELCACHE_METRICS_ADDRESS", "0.0.0.0", "the address /metrics binds", _text
+)
+NAME = Variable[str | None](
+    "KERNELCACHE_NAME", None, "the name label (namespace/name); default: the manifest's", _text
+)
+ARCH = Variable[str | None](
+    "KERNELCACHE_ARCH", None, "this node's SM arch (sm_90a): an override of discovery", _text
+)
+GPU_PRODUCT = Variable[str | None](
+    "KERNELCACHE_GPU_PRODUCT", None, "this node's GPU product: an override of discovery", _text
+)
+NODE_NAME = Variable[str | None](
+    "KERNELCACHE_NODE_NAME", None, "this pod's node (downward API), to read its labels", _text
+)
+NODE_MAP = Variable[Path | None](
+    "KERNELCACHE_NODE_MAP", None, "the operator's node map, mounted; default its mount", _path
+)
+FLASHINFER_BUILD_LOG = Variable[Path | None](
+    "FLASHINFER_JIT_BUILD_LOG",
+    None,
+    "FlashInfer's build log (its own variable); set to a temp file when unset",
+    _path,
+)
+FLASHINFER_MIN_BUILD_S = Variable(
+    "KERNELCACHE_FLASHINFER_MIN_BUILD_S",
+    0.5,
+    "a FlashInfer build-log entry this long counts as a build (ninja no-ops take ~0.01 s)",
+    _count(float, 0),
+)
+POLL_S = Variable(
+    "KERNELCACHE_POLL_S",
+    1.0,
+    "seconds between reads of FlashInfer's build log and Triton's cache directory",
+    _count(float, 0),
+)
+PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to stderr", _flag)
+SM_COUNT = Variable[int | None](
+    "KERNELCACHE_SM_COUNT", None, "this node's GPU SM count, else the driver's", _count(int, 1)
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``KERNELCACHE_*`` setting, typed; ``from_env`` reads them all at once."""
+
+    generation_dir: Annotated[Path | None, DIR] = DIR.default
+    strict: Annotated[bool, STRICT] = STRICT.default
+    env_file: Annotated[Path | None, ENV_FILE_PATH] = ENV_FILE_PATH.default
+    runtime: Annotated[bool, RUNTIME] = RUNTIME.default
+    metrics_port: Annotated[int, METRICS_PORT] = METRICS_PORT.default
+    metrics_address: Annotated[str, METRICS_ADDRESS] = METRICS_ADDRESS.default
+    name: Annotated[str | None, NAME] = NAME.default
+    arch: Annotated[str | None, ARCH] = ARCH.default
+    gpu_product: Annotated[str | None, GPU_PRODUCT] = GPU_PRODUCT.default
+    node_name: Annotated[str | None, NODE_NAME] = NODE_NAME.default
+    node_map: Annotated[Path | None, NODE_MAP] = NODE_MAP.default
+    flashinfer_build_log: Annotated[Path | None, FLASHINFER_BUILD_LOG] = (
+        FLASHINFER_BUILD_LOG.default
+    )
+    flashinfer_min_build_seconds: Annotated[float, FLASHINFER_MIN_BUILD_S] = (
+        FLASHINFER_MIN_BUILD_S.default
+    )
+    poll_seconds: Annotated[float, POLL_S] = POLL_S.default
+    progress: Annotated[bool, PROGRESS] = PROGRESS.default
+    sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every setting; a malformed value is a SpecError naming its variable."""
+        env = os.environ if environ is None else environ
+        return cls(**{field: variable.read(env) for field, variable in _FIELDS.items()})
+
+
+# Each field's variable, from its annotation.
+_FIELDS: dict[str, Variable[Any]] = {
+    name: hint.__metadata__[0]
+    for name, hint in get_type_hints(Settings, include_extras=True).items()
+}
+VARIABLES = tuple(_FIELDS.values())
