@@ -10,6 +10,7 @@ import pytest
 
 from kernelcache.controller import state
 from kernelcache.controller.manifests import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+from kernelcache.spec import ArchStatus
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 POLICY = state.RetryPolicy(max_attempts=3, backoff_seconds=60, backoff_max_seconds=600)
@@ -213,6 +214,16 @@ def test_a_succeeded_job_without_a_readable_result() -> None:
     unreadable = plan([job(complete=True)], None)
     assert unreadable.status["phase"] == "Ready"
     assert "no result was readable" in unreadable.status["message"]
+
+
+def test_a_result_the_crd_would_refuse_is_not_written_into_the_status() -> None:
+    """The status is built through spec.ArchStatus: a result field of the wrong type (here
+    a count as a string) is reported as unreadable instead of patched into the status,
+    which the API server would refuse on every reconcile."""
+    odd = plan([job(complete=True)], result={**RESULT, "files": "12"})
+    assert odd.status["phase"] == "Ready" and "artifacts" not in odd.status
+    assert "no result was readable: artifacts malformed" in odd.status["message"]
+    ArchStatus.model_validate(odd.status)
 
 
 def test_a_new_build_keeps_showing_the_published_generation() -> None:

@@ -28,15 +28,41 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from kernelcache.contract import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+from kernelcache.spec import ArchStatus
 
 JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
 
-# What an arch keeps from its last published result while a new build runs.
-PUBLISHED_FIELDS = ("generation", "stampDigest", "artifacts", "bytes", "compileSeconds")
+# What an arch keeps from its last published result while a new build runs, as the CRD
+# names each field of ``spec.ArchStatus``.
+_PUBLISHED = {
+    ArchStatus.model_fields[name].alias or name: name
+    for name in ("generation", "stamp_digest", "artifacts", "bytes", "compile_seconds")
+}
+PUBLISHED_FIELDS = tuple(_PUBLISHED)
 STATUS_KEYS = (
     "phase", "observedGeneration", "readyArches", "servingArches", "arches", "conditions",
 )  # fmt: skip
+
+
+def arch_status(**fields: Any) -> dict[str, Any]:
+    """One arch's status entry, written through the CRD's model (``spec.ArchStatus``): its
+    fields by the model's names or the CRD's; what is None is left out."""
+    return ArchStatus.model_validate(fields).model_dump(by_alias=True, exclude_none=True)
+
+
+def from_result(result: dict[str, Any]) -> dict[str, Any]:
+    """The published fields of a warm's result (``build.ArchResult`` as JSON), by the model's
+    names: the one place the build's names meet the status's."""
+    return {
+        "generation": result.get("generation"),
+        "stamp_digest": result.get("stamp"),
+        "artifacts": result.get("files"),
+        "bytes": result.get("bytes"),
+        "compile_seconds": result.get("seconds"),
+    }
 
 
 def published(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -58,15 +84,16 @@ def recorded(text: str | None, claim: str) -> dict[str, dict[str, Any]]:
     if not isinstance(record, dict) or record.get("claim") != claim:
         return {}
     arches = record.get("arches")
-    return {
-        arch: {
-            "arch": arch,
-            "phase": "Ready",
-            **{k: fields[k] for k in PUBLISHED_FIELDS if k in fields},
-        }
-        for arch, fields in (arches.items() if isinstance(arches, dict) else ())
-        if isinstance(fields, dict) and fields.get("generation")
-    }
+    found = {}
+    for arch, fields in arches.items() if isinstance(arches, dict) else ():
+        if not (isinstance(fields, dict) and fields.get("generation")):
+            continue
+        kept = {k: fields[k] for k in PUBLISHED_FIELDS if k in fields}
+        try:
+            found[arch] = arch_status(arch=arch, phase="Ready", **kept)
+        except ValidationError:
+            continue  # not what an operator wrote: it says nothing about this arch
+    return found
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -227,10 +254,12 @@ def plan_arch(
     whether that status was written for the current ``metadata.generation``; ``result`` is
     the newest Job's termination result when it has finished (``needs_result``).
     """
-    published = {k: previous[k] for k in PUBLISHED_FIELDS if previous and k in previous}
+    published = {_PUBLISHED[k]: previous[k] for k in PUBLISHED_FIELDS if previous and k in previous}
 
     def status(phase: str, message: str, **fields: Any) -> dict[str, Any]:
-        return {"arch": arch, "phase": phase, **published, **fields, "message": message}
+        return arch_status(
+            **{"arch": arch, "phase": phase, **published, **fields, "message": message}
+        )
 
     job = newest(jobs)
     if job is None:
@@ -247,18 +276,15 @@ def plan_arch(
     if outcome == "Succeeded":
         if result is None and previous and previous_current and previous.get("phase") == "Ready":
             return ArchPlan(previous, job=job)
+        unread = f"Job {name} succeeded; no result was readable"
         if result is None:
-            unread = f"Job {name} succeeded; no result was readable"
             return ArchPlan(status("Ready", unread), job=job)
-        fields = {
-            "generation": result.get("generation"),
-            "stampDigest": result.get("stamp"),
-            "artifacts": result.get("files"),
-            "bytes": result.get("bytes"),
-            "compileSeconds": result.get("seconds"),
-        }
-        fields = {k: v for k, v in fields.items() if v is not None}
-        return ArchPlan(status("Ready", f"{result['status']} by Job {name}", **fields), job=job)
+        fields = {k: v for k, v in from_result(result).items() if v is not None}
+        try:
+            done = status("Ready", f"{result['status']} by Job {name}", **fields)
+        except ValidationError as exc:  # not what kernelcache warm writes
+            done = status("Ready", f"{unread}: {exc.errors()[0]['loc'][0]} malformed")
+        return ArchPlan(done, job=job)
     detail = job_failure(job)
     if result and result.get("message"):
         detail += f"; {result['message']}"
