@@ -258,13 +258,6 @@ def write_result(path: Path, result: ArchResult) -> None:
         raise StorageError(message, path=str(path)) from exc
 
 
-def check_environment(manifest: Manifest, arch: str | None = None) -> None:
-    """Refuse a generation whose stamp differs from this environment, naming the factor."""
-    error = stamps.check_environment(manifest.stamp, manifest.generation, arch).error
-    if error is not None:
-        raise error
-
-
 def result_exit_code(results: list[ArchResult]) -> int:
     failed = [r for r in results if r.status == "failed"]
     return failed[0].exit_code if failed else int(ExitCode.OK)

@@ -139,13 +139,15 @@ def _flag(name: str, text: str) -> bool:
 
 
 def _count(kind: type[int] | type[float], least: int) -> Callable[[str, str], Any]:
+    what = "an integer" if kind is int else "a number"
+
     def parse(name: str, text: str) -> Any:
         try:
             value = kind(text.strip())
         except ValueError:
             value = None
         if value is None or value < least:
-            raise SpecError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
+            raise SpecError(f"{name}={text!r}: expected {what} >= {least}")
         return value
 
     return parse
@@ -215,6 +217,26 @@ PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to std
 SM_COUNT = Variable[int | None](
     "KERNELCACHE_SM_COUNT", None, "this node's GPU SM count, else the driver's", _count(int, 1)
 )
+CUTE_DSL_DIR = Variable[Path | None](
+    "KERNELCACHE_CUTE_DSL_DIR",
+    None,
+    "the CuTe-DSL disk layer's cache; default ~/.cache/kernelcache/cute-dsl",
+    _path,
+)
+STARTED_AT = Variable[float | None](
+    "KERNELCACHE_STARTED_AT",
+    None,
+    "when the measured process started (seconds since the epoch), for start-up timings",
+    _count(float, 0),
+)
+# Given to a command warmer's process (``warm.command``), never read by kernelcache itself;
+# the arch is ``ARCH``'s name.
+WARM_FILES = Variable[str | None](
+    "KERNELCACHE_FILES", None, "the generation's files/, for a command warmer", _text
+)
+WARM_WORKLOAD = Variable[str | None](
+    "KERNELCACHE_WORKLOAD", None, "the spec's workload as JSON, for a command warmer", _text
+)
 
 
 @dataclass(frozen=True)
@@ -241,6 +263,8 @@ class Settings:
     poll_seconds: Annotated[float, POLL_S] = POLL_S.default
     progress: Annotated[bool, PROGRESS] = PROGRESS.default
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
+    cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
+    started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -254,4 +278,5 @@ _FIELDS: dict[str, Variable[Any]] = {
     name: hint.__metadata__[0]
     for name, hint in get_type_hints(Settings, include_extras=True).items()
 }
-VARIABLES = tuple(_FIELDS.values())
+# Every variable kernelcache reads, then those it only sets for a warmer's command.
+VARIABLES = (*_FIELDS.values(), WARM_FILES, WARM_WORKLOAD)
