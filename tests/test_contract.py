@@ -57,7 +57,7 @@ def test_the_cache_key_formats_and_parses_one_way() -> None:
     assert str(key) == "llm/qwen/sm_90a" and key.cache == "llm/qwen"
     assert CacheKey.parse(str(key)) == key
     for bad in ("llm/qwen", "llm/qwen/sm_90a/x", "llm//sm_90a"):
-        with pytest.raises(SpecError, match="expected NAMESPACE/NAME/ARCH"):
+        with pytest.raises(SpecError, match="must be namespace/name/arch"):
             CacheKey.parse(bad)
 
 

@@ -95,7 +95,7 @@ class CacheKey:
         """The key's three parts; the store checks what each may hold."""
         parts = text.split("/")
         if len(parts) != 3 or not all(parts):
-            raise SpecError(f"key {text!r}: expected NAMESPACE/NAME/ARCH")
+            raise SpecError(f"key {text!r}: must be namespace/name/arch")
         return cls(*parts)
 
 
