@@ -214,8 +214,16 @@ POLL_S = Variable(
     _count(float, 0),
 )
 PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to stderr", _flag)
+
+
+def _sm_count(name: str, text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise SpecError(f"{name}={text!r} is not a positive SM count")
+    return int(text)
+
+
 SM_COUNT = Variable[int | None](
-    "KERNELCACHE_SM_COUNT", None, "this node's GPU SM count, else the driver's", _count(int, 1)
+    "KERNELCACHE_SM_COUNT", None, "this node's GPU SM count, else the driver's", _sm_count
 )
 CUTE_DSL_DIR = Variable[Path | None](
     "KERNELCACHE_CUTE_DSL_DIR",
