@@ -5,6 +5,9 @@ the spec is read or the node's arch is resolved, not deep inside a warmer. The l
 CuTe DSL's (``cutlass.base_dsl.enums.Arch``, which Triton and FlashInfer's targets are
 within) plus Turing's ``sm_75``, which Triton and FlashInfer still build for; a test
 compares it with the installed DSL so a new arch is noticed.
+
+Also the GPU's identity as every component spells it: the arch of a compute capability
+(``nvidia-smi``'s ``9.0``, GFD's major/minor labels) and one slug per GPU product.
 """
 
 from __future__ import annotations
