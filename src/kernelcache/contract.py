@@ -153,6 +153,12 @@ def _count(kind: type[int] | type[float], least: int) -> Callable[[str, str], An
     return parse
 
 
+def _sm_count(name: str, text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise SpecError(f"{name}={text!r} is not a positive SM count")
+    return int(text)
+
+
 DIR = Variable[Path | None](
     "KERNELCACHE_DIR",
     None,
@@ -214,12 +220,6 @@ POLL_S = Variable(
     _count(float, 0),
 )
 PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to stderr", _flag)
-
-
-def _sm_count(name: str, text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise SpecError(f"{name}={text!r} is not a positive SM count")
-    return int(text)
 
 
 SM_COUNT = Variable[int | None](
