@@ -203,13 +203,11 @@ def _check_hook(report: Report) -> None:
 
 
 def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
-    recorded = stamps.Stamp.from_dict(manifest.stamp)
     try:
-        here = stamps.environment_stamp(recorded, arch)
+        diffs = stamps.check_environment(manifest.stamp, manifest.generation, arch).diffs
     except KernelCacheError as exc:
         report.add("stamp", "fail", exc.message, exc.code)
         return
-    diffs = stamps.explain(recorded, here)
     report.differences = [{"factor": d.name, "generation": d.left, "here": d.right} for d in diffs]
     if not diffs:
         report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")
