@@ -198,7 +198,6 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "/spec/volumes/-",
         "/spec/containers/0/env/-",
         "/spec/containers/0/env/-",
-        "/spec/containers/0/env/-",
         "/spec/containers/0/volumeMounts/-",
     ]
     new = jsonpatch.apply_patch(pod, ops)
@@ -263,7 +262,6 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "HF_HOME": "/models",
         "KERNELCACHE_RUNTIME": "1",
         "KERNELCACHE_ENV_FILE": "/kernelcache/kernelcache.env",
-        "KERNELCACHE_STRICT": "1",
     }
 
 
@@ -395,9 +393,11 @@ def test_sidecars_are_left_alone_when_serving_containers_are_named() -> None:
 def test_strict_and_permissive_env() -> None:
     strict = mutated(the_pod(), kernelcache("strict"))
     permissive = mutated(the_pod(), kernelcache("permissive"))
-    assert env_of(strict["spec"]["containers"][0])["KERNELCACHE_STRICT"] == "1"
-    assert "KERNELCACHE_STRICT" not in env_of(permissive["spec"]["containers"][0])
-    assert "permissive" in permissive["spec"]["initContainers"][0]["args"]
+    # The policy travels one way: verify's --policy, which verify writes into the env file.
+    for pod, policy in ((strict, "strict"), (permissive, "permissive")):
+        (init,) = pod["spec"]["initContainers"]
+        assert init["args"][init["args"].index("--policy") + 1] == policy
+        assert "KERNELCACHE_STRICT" not in env_of(pod["spec"]["containers"][0])
     assert env_of(permissive["spec"]["containers"][0])["KERNELCACHE_RUNTIME"] == "1"
 
 
@@ -412,10 +412,10 @@ def test_flashinfer_jit_is_left_to_the_serving_side() -> None:
 
 def test_a_variable_the_pod_sets_is_kept() -> None:
     pod = the_pod()
-    pod["spec"]["containers"][0]["env"].append({"name": "KERNELCACHE_STRICT", "value": "0"})
+    pod["spec"]["containers"][0]["env"].append({"name": "KERNELCACHE_RUNTIME", "value": "0"})
     container = mutated(pod, kernelcache())["spec"]["containers"][0]
-    assert [e for e in container["env"] if e["name"] == "KERNELCACHE_STRICT"] == [
-        {"name": "KERNELCACHE_STRICT", "value": "0"}
+    assert [e for e in container["env"] if e["name"] == "KERNELCACHE_RUNTIME"] == [
+        {"name": "KERNELCACHE_RUNTIME", "value": "0"}
     ]
 
 

@@ -3,11 +3,12 @@
 ``kernelcache verify --materialize DIR`` writes ``DIR/kernelcache.env`` last, atomically, once
 the generation is checked and copied: its presence says the copy is ready. It holds exactly
 the settings the runtime reads from it (``contract.Settings``: the generation directory, the
-name label, this node's arch) as shell-quoted ``NAME=value`` lines, so ``set -a; . FILE``
-reads it too. The report beside it (``kernelcache-verify.json``) says everything else: the
-generation and stamp, where the node's arch and product came from, the policy, what was
-dropped. The webhook names the file to the serving container (``KERNELCACHE_ENV_FILE``);
-``runtime.install()`` takes its lines as defaults (``apply``).
+name label, this node's arch, and whether serving is strict, the policy verify enforced) as
+shell-quoted ``NAME=value`` lines, so ``set -a; . FILE`` reads it too. The report beside it
+(``kernelcache-verify.json``) says everything else: the generation and stamp, where the
+node's arch and product came from, the policy, what was dropped. The webhook names the file
+to the serving container (``KERNELCACHE_ENV_FILE``); ``runtime.install()`` takes its lines
+as defaults (``apply``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def apply(environ: MutableMapping[str, str] | None = None) -> None:
     """Take the env file named by ``KERNELCACHE_ENV_FILE`` as defaults of ``environ``.
 
     Variables set on the container itself win. A named file that is missing means the
-    init-container did not run: served without a generation, and refused in strict mode.
+    init-container did not run: served without a generation, and refused when the container
+    itself says strict (the file would have said the policy).
     """
     env = os.environ if environ is None else environ
     settings = contract.Settings.from_env(env)

@@ -16,13 +16,12 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
   is projected, so the pod never sees the private one) and ``--require-signature``;
 - the emptyDir ``kernelcache`` at ``/kernelcache``: written by the init-container, read-only
   in every serving container;
-- in every serving container: ``KERNELCACHE_RUNTIME=1``,
+- in every serving container: ``KERNELCACHE_RUNTIME=1`` and
   ``KERNELCACHE_ENV_FILE=/kernelcache/kernelcache.env`` (what verify wrote: the generation
-  directory, its name and arch; ``kernelcache.envfile``) and ``KERNELCACHE_STRICT=1`` under
-  the strict policy. A variable the container already sets is left as the pod's author
-  wrote it. The policy reaches each container once, in its own form: ``--policy`` for
-  verify (strict by default), ``KERNELCACHE_STRICT`` for the runtime (permissive by
-  default), which must know it even when the env file is missing;
+  directory, its name and arch, and ``KERNELCACHE_STRICT`` for the policy it enforced;
+  ``kernelcache.envfile``). A variable the container already sets is left as the pod's
+  author wrote it. The policy travels one way: the KernelCache's ``verification.policy`` is
+  verify's ``--policy``, and verify hands it on to the serving container in the env file;
 - for a KernelCache with a vllm warmer: an emptyDir ``kernelcache-vllm-0`` mounted writable
   at the warmer's ``cacheRoot`` in the init-container (verify copies vLLM's cache back there)
   and in every serving container, with ``VLLM_CACHE_ROOT`` set to it (vLLM's cache holds
@@ -281,8 +280,6 @@ def serving_env(kc: KernelCache) -> list[dict[str, str]]:
     }
     if roots := kc.spec.vllm_cache_roots():
         env["VLLM_CACHE_ROOT"] = roots[0]
-    if kc.spec.verification.policy == "strict":
-        env[contract.STRICT.name] = "1"
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
