@@ -195,7 +195,7 @@ def test_a_serving_pod_loads_every_kernel_from_the_cache_with_zero_compiles(
     assert pod["spec"]["automountServiceAccountToken"] is False
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["KERNELCACHE_RUNTIME"] == "1" and env["KERNELCACHE_ENV_FILE"]
-    assert "KERNELCACHE_STRICT" not in env  # the policy reaches serving through the env file
+    assert env["KERNELCACHE_STRICT"] == "1"  # the example's policy, on the container itself
 
 
 def test_a_corrupted_artifact_stops_the_next_pod_with_one_line(kc: harness.Cluster) -> None:

@@ -198,6 +198,7 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "/spec/volumes/-",
         "/spec/containers/0/env/-",
         "/spec/containers/0/env/-",
+        "/spec/containers/0/env/-",
         "/spec/containers/0/volumeMounts/-",
     ]
     new = jsonpatch.apply_patch(pod, ops)
@@ -262,6 +263,7 @@ def test_patch_adds_exactly_the_init_container_volumes_mounts_and_env() -> None:
         "HF_HOME": "/models",
         "KERNELCACHE_RUNTIME": "1",
         "KERNELCACHE_ENV_FILE": "/kernelcache/kernelcache.env",
+        "KERNELCACHE_STRICT": "1",
     }
 
 
@@ -393,11 +395,12 @@ def test_sidecars_are_left_alone_when_serving_containers_are_named() -> None:
 def test_strict_and_permissive_env() -> None:
     strict = mutated(the_pod(), kernelcache("strict"))
     permissive = mutated(the_pod(), kernelcache("permissive"))
-    # The policy travels one way: verify's --policy, which verify writes into the env file.
-    for pod, policy in ((strict, "strict"), (permissive, "permissive")):
+    # One policy, each process's own setting: verify's --policy and the runtime's variable,
+    # on the container itself (never only in the env file, which could go missing).
+    for pod, policy, flag in ((strict, "strict", "1"), (permissive, "permissive", "0")):
         (init,) = pod["spec"]["initContainers"]
         assert init["args"][init["args"].index("--policy") + 1] == policy
-        assert "KERNELCACHE_STRICT" not in env_of(pod["spec"]["containers"][0])
+        assert env_of(pod["spec"]["containers"][0])["KERNELCACHE_STRICT"] == flag
     assert env_of(permissive["spec"]["containers"][0])["KERNELCACHE_RUNTIME"] == "1"
 
 

@@ -3,7 +3,7 @@
 ``kernelcache verify --materialize DIR`` writes ``DIR/kernelcache.env`` last, atomically, once
 the generation is checked and copied: its presence says the copy is ready. It holds exactly
 the settings the runtime reads from it (``contract.Settings``: the generation directory, the
-name label, this node's arch, and whether serving is strict, the policy verify enforced) as
+name label and this node's arch; strictness is the container's own setting) as
 shell-quoted ``NAME=value`` lines, so ``set -a; . FILE`` reads it too. The report beside it
 (``kernelcache-verify.json``) says everything else: the generation and stamp, where the
 node's arch and product came from, the policy, what was dropped. The webhook names the file
@@ -57,8 +57,7 @@ def apply(environ: MutableMapping[str, str] | None = None) -> None:
     """Take the env file named by ``KERNELCACHE_ENV_FILE`` as defaults of ``environ``.
 
     Variables set on the container itself win. A named file that is missing means the
-    init-container did not run: served without a generation, and refused when the container
-    itself says strict (the file would have said the policy).
+    init-container did not run: served without a generation, and refused in strict mode.
     """
     env = os.environ if environ is None else environ
     settings = contract.Settings.from_env(env)

@@ -315,7 +315,6 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         contract.DIR: str(outcome.materialized),
         contract.NAME: CacheKey.parse(outcome.key).cache,
         contract.ARCH: outcome.arch,
-        contract.STRICT: "1" if policy == "strict" else "0",
     }
     envfile.write(target, values, report)
 

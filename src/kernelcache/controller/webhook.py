@@ -16,12 +16,13 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
   is projected, so the pod never sees the private one) and ``--require-signature``;
 - the emptyDir ``kernelcache`` at ``/kernelcache``: written by the init-container, read-only
   in every serving container;
-- in every serving container: ``KERNELCACHE_RUNTIME=1`` and
+- in every serving container: ``KERNELCACHE_RUNTIME=1``,
   ``KERNELCACHE_ENV_FILE=/kernelcache/kernelcache.env`` (what verify wrote: the generation
-  directory, its name and arch, and ``KERNELCACHE_STRICT`` for the policy it enforced;
-  ``kernelcache.envfile``). A variable the container already sets is left as the pod's
-  author wrote it. The policy travels one way: the KernelCache's ``verification.policy`` is
-  verify's ``--policy``, and verify hands it on to the serving container in the env file;
+  directory, its name and arch; ``kernelcache.envfile``) and ``KERNELCACHE_STRICT``. A
+  variable the container already sets is left as the pod's author wrote it. The policy is
+  read from the KernelCache's ``verification.policy`` in one place (here) and reaches each
+  process as its own setting: verify's ``--policy``, the runtime's ``KERNELCACHE_STRICT``
+  (on the container, so that an env file gone missing cannot make a strict pod permissive);
 - for a KernelCache with a vllm warmer: an emptyDir ``kernelcache-vllm-0`` mounted writable
   at the warmer's ``cacheRoot`` in the init-container (verify copies vLLM's cache back there)
   and in every serving container, with ``VLLM_CACHE_ROOT`` set to it (vLLM's cache holds
@@ -277,6 +278,9 @@ def serving_env(kc: KernelCache) -> list[dict[str, str]]:
     env = {
         contract.RUNTIME.name: "1",
         contract.ENV_FILE_PATH.name: f"{CACHE_DIR}/{contract.ENV_FILE}",
+        # On the container, not in the env file: a file that went missing must not turn a
+        # strict pod permissive.
+        contract.STRICT.name: "1" if kc.spec.verification.policy == "strict" else "0",
     }
     if roots := kc.spec.vllm_cache_roots():
         env["VLLM_CACHE_ROOT"] = roots[0]
