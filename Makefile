@@ -50,6 +50,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # The CRD, its API reference, the alert rules and the dashboard have one source each; the
 # chart carries copies (tests fail on drift).
