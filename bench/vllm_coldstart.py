@@ -61,13 +61,14 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -
 
 
 def engine(work: Path, name: str, env: dict[str, str], job: dict[str, Any], log: Path) -> dict:
-    """One engine process (``kernelcache.warm.vllm``); ready counts from before its start."""
+    """One engine process (``kernelcache.toolchains.vllm``); ready counts from before its start."""
     job = {**job, "result": str(work / f"{name}.result.json")}
     job_path = work / f"{name}.job.json"
     job_path.write_text(json.dumps(job))
     started = time.time()
     env = {**env, "KERNELCACHE_STARTED_AT": repr(started)}
-    rc = run_logged([sys.executable, "-m", "kernelcache.warm.vllm", str(job_path)], env, log, 900)
+    engine_cmd = [sys.executable, "-m", "kernelcache.toolchains.vllm", str(job_path)]
+    rc = run_logged(engine_cmd, env, log, 900)
     result_path = Path(job["result"])
     if not result_path.exists():
         return {"stage": name, "rc": rc, "failed": "no result (see the log)"}
@@ -119,16 +120,13 @@ def main() -> int:
     work.mkdir(parents=True)
     log = args.log or args.out.with_suffix(".log")
     log.write_text("")
-    base = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    workload = {**WORKLOAD, "model": str(args.model.absolute())}
-    sweep = {
-        "prompt_lengths": workload["promptLengths"],
-        "batch_sizes": workload["batchSizes"],
-        "max_tokens": workload["maxTokens"],
-    }
-    from kernelcache.spec import Warmer
+    from kernelcache.toolchains.vllm import ENGINE_ENV, engine_job
 
-    engine_args = Warmer(type="vllm", workload=workload).vllm_workload().engine_args()
+    base = {**os.environ, **ENGINE_ENV}
+    workload = {**WORKLOAD, "model": str(args.model.absolute())}
+
+    job = engine_job(workload)
+    engine_args, sweep = job["engine"], job["sweep"]
     report: dict[str, Any] = {}
     results: dict[str, Any] = {
         "workload": workload, "started": time.strftime("%FT%TZ"), "report": report

@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from kernelcache.errors import ColdCompileError
 from kernelcache.runtime import cute as cute_cache
 
 DEFAULT_WORKLOAD = {
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         names = demo_kernels.warm(json.loads(args.workload))
-    except cute_cache.ColdCompileError as exc:
+    except ColdCompileError as exc:
         print(f"demo_serve: {exc}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - start

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kernelcache.warm import flashinfer as fi_cache
+from kernelcache.toolchains import flashinfer as fi_cache
 
 DEFAULT_WORKLOAD: dict[str, Any] = {
     "head_dims": [128],

@@ -9,7 +9,7 @@ it still benchmarks; with the autotune results cached too it only loads the chos
 nothing and benchmark nothing; it exits 0 only then:
 
     TRITON_CACHE_DIR=<generation>/files/triton TRITON_CACHE_AUTOTUNING=1 \\
-    TRITON_CACHE_MANAGER=kernelcache.runtime.hooks:GenerationCacheManager \\
+    TRITON_CACHE_MANAGER=kernelcache.toolchains.triton:GenerationCacheManager \\
         python examples/triton_kernels.py --workload '{"shapes": [[512, 512, 512]]}'
 
 (Stock Triton looks for a kernel's files where they were first written, so a moved cache

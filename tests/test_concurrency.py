@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kernelcache.runtime import hooks, metrics
+from kernelcache.runtime import metrics
 from kernelcache.store import Store
+from kernelcache.toolchains import cute_dsl
 from tests.conftest import needs_cute, subprocess_env, write_warmer_spec
 from tests.test_runtime_cute import WORKLOAD
 from tests.test_store_faults import (
@@ -292,7 +293,7 @@ def test_disk_layer_counts_every_refusal_and_bypass_from_sixteen_threads(
 
     from kernelcache.runtime import cute
 
-    monkeypatch.setattr(cute, "on_event", hooks._on_cute_event)
+    monkeypatch.setattr(cute, "on_event", cute_dsl.on_event)
     cache = cute.CuteDiskCache(tmp_path, strict=True)
     missed = f"{__name__}:{never_compiled.__qualname__}"
     bypassed = never_compiled.__qualname__
@@ -331,7 +332,7 @@ def test_eight_threads_on_one_missing_kernel_compile_it_once_and_load_it_once(
 
     from kernelcache.runtime import cute
 
-    monkeypatch.setattr(cute, "on_event", hooks._on_cute_event)
+    monkeypatch.setattr(cute, "on_event", cute_dsl.on_event)
     _, fn, args = next(iter(demo_kernels.specializations(WORKLOAD)))
     name = "demo_kernels:add"
 

@@ -59,7 +59,7 @@ from kernelcache.store import (
     VerifyResult,
     verify,
 )
-from kernelcache.warm import CACHE_ENV
+from kernelcache.toolchains import CACHE_ENV
 
 from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache
 

@@ -29,10 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kernelcache import stamp as stamps
 from kernelcache.contract import Settings
 from kernelcache.errors import ExitCode, SpecError
-from kernelcache.runtime import hooks, metrics
-from kernelcache.runtime.hooks import BuildLogTail
+from kernelcache.runtime import metrics
 from kernelcache.runtime.imports import when_imported
 from kernelcache.store import Store, materialize
+from kernelcache.toolchains import inductor
+from kernelcache.toolchains.flashinfer import BuildLogTail
 from tests.conftest import (
     EXAMPLES,
     REPO,
@@ -422,7 +423,7 @@ def test_strict_mode_refuses_a_kernel_missing_from_the_generation_in_one_line(cu
     )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("kernelcache.runtime.cute.ColdCompileError: cute-dsl: cold compile")
+    assert last.startswith("kernelcache.errors.ColdCompileError: cute-dsl: cold compile")
     assert "demo_kernels:add in strict mode" in last
 
 
@@ -606,7 +607,7 @@ def test_tuned_kernels_from_a_generation_are_final_and_found_in_this_processes_c
     monkeypatch.setattr(
         autotuner, "recheck_autotune_cache", lambda self, **_: looked_up.append(self.filename)
     )
-    hooks._keep_tuned_configs(triton_heuristics)
+    inductor._keep_tuned_configs(triton_heuristics)
 
     kernel = object.__new__(autotuner)
     kernel.autotune_cache_info = {"autotune_cache_state": "hit"}
@@ -649,7 +650,7 @@ def test_triton_counts_real_compiles_not_disk_hits_and_strict_refuses_first(tmp_
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (
-        "kernelcache.runtime.cute.ColdCompileError: triton: cold compile of vector_add in "
+        "kernelcache.errors.ColdCompileError: triton: cold compile of vector_add in "
         f"strict mode (not in the cache at {cache})"
     )
     assert sorted(p for p in cache.rglob("*") if p.is_file()) == files_before  # nothing built

@@ -22,7 +22,7 @@ from kernelcache.errors import ExitCode, StampMismatchError, WarmError
 from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.stamp import file_digest
 from kernelcache.store import Store
-from kernelcache.warm import entry_point_sources
+from kernelcache.toolchains.base import entry_point_sources
 from tests.conftest import EXAMPLES, needs_cute, one_line_error, subprocess_env
 from tests.conftest import run_kernelcache as kernelcache
 from tests.helpers.wheels import build_wheel, pip_install

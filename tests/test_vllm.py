@@ -149,7 +149,7 @@ def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, d
     }
     (tmp / f"{name}.job.json").write_text(json.dumps(job))
     proc = subprocess.run(
-        [sys.executable, "-m", "kernelcache.warm.vllm", str(tmp / f"{name}.job.json")],
+        [sys.executable, "-m", "kernelcache.toolchains.vllm", str(tmp / f"{name}.job.json")],
         env=env,
         capture_output=True,
         text=True,

@@ -47,10 +47,11 @@ SWEEP = {"prompt_lengths": [7, 100, 1000, 2000], "batch_sizes": [1, 3, 16, 64], 
 
 
 def engine_env(**overrides: str) -> dict[str, str]:
+    from kernelcache.toolchains.vllm import ENGINE_ENV
+
     env = {
         **subprocess_env(),
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **ENGINE_ENV,
         "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
         "KERNELCACHE_ARCH": ARCH,
     }
@@ -58,9 +59,9 @@ def engine_env(**overrides: str) -> dict[str, str]:
 
 
 def engine_args(**changes: object) -> dict[str, object]:
-    from kernelcache.spec import Warmer
+    from kernelcache.toolchains.vllm import engine_job
 
-    return {**Warmer(type="vllm", workload=WORKLOAD).vllm_workload().engine_args(), **changes}
+    return {**engine_job(WORKLOAD)["engine"], **changes}
 
 
 @pytest.fixture(scope="module")

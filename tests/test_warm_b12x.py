@@ -201,7 +201,7 @@ def test_the_sm_count_changes_the_kernels_and_the_key(tmp_path: Path) -> None:
     script = f"""
 import json, os
 from kernelcache.spec import B12xWorkload
-from kernelcache.warm import b12x
+from kernelcache.toolchains import b12x
 workload = B12xWorkload.model_validate({WORKLOAD!r})
 names = {{}}
 for sm in (188, 110):
@@ -289,7 +289,7 @@ def test_a_compile_worker_that_dies_fails_the_warm_instead_of_hanging(tmp_path: 
     script = """
 import os, signal
 from kernelcache.errors import WarmError
-from kernelcache.warm import b12x
+from kernelcache.toolchains import b12x
 target = b12x.Target("sm_120a", 188, 188)
 kernels = [
     b12x.Recorded("fine", lambda: None, True, target),

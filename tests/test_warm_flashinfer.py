@@ -21,7 +21,7 @@ import yaml
 
 from kernelcache.errors import ExitCode, WarmError
 from kernelcache.store import Store, verify
-from kernelcache.warm.flashinfer import (
+from kernelcache.toolchains.flashinfer import (
     aot_layout,
     check_tactics,
     cuda_arch_list,
@@ -70,7 +70,7 @@ import json, os, sys
 from pathlib import Path
 from kernelcache.errors import WarmError
 from kernelcache.spec import Warmer
-from kernelcache.warm import flashinfer as fi
+from kernelcache.toolchains import flashinfer as fi
 if os.environ.get("FAKE_GPU"):
     fi.visible_gpu = lambda: tuple(os.environ["FAKE_GPU"].split("|"))
 if os.environ.get("IMPORT_FLASHINFER_FIRST"):
@@ -261,7 +261,7 @@ def test_tactics_file_must_exist_and_be_stamped_for_this_gpu(tmp_path):
 
 def test_importing_the_warmer_imports_neither_flashinfer_nor_torch():
     proc = python(
-        "import sys, kernelcache.warm.flashinfer\n"
+        "import sys, kernelcache.toolchains.flashinfer\n"
         "print(sorted({'flashinfer', 'torch'} & set(sys.modules)))"
     )
     assert proc.returncode == 0, proc.stderr
@@ -275,7 +275,7 @@ import json, sys
 from pathlib import Path
 import flashinfer
 from flashinfer.jit import env as jit_env
-from kernelcache.warm.flashinfer import use_aot_dir
+from kernelcache.toolchains.flashinfer import use_aot_dir
 before = str(jit_env.get_aot_path(sys.argv[2]))
 use_aot_dir(Path(sys.argv[1]))
 print(json.dumps({
@@ -455,7 +455,7 @@ SERVE_DECODE = """
 import json, os, sys
 from pathlib import Path
 flashinfer_dir, aot, arch = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-from kernelcache.warm import flashinfer as fi
+from kernelcache.toolchains import flashinfer as fi
 os.environ.update(fi.serving_env(flashinfer_dir, arch))
 import torch, flashinfer
 if aot:

@@ -19,7 +19,7 @@ import pytest
 
 from kernelcache.errors import ExitCode
 from kernelcache.store import Manifest, Store, materialize
-from kernelcache.warm.torch_compile import MAX_REPLAYS
+from kernelcache.toolchains.inductor import MAX_REPLAYS
 from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
 

@@ -100,7 +100,7 @@ def launch(kernel: Any) -> Any:
 def test_the_watch_reports_autotuners_whose_configs_have_a_pre_hook(interpreted):
     from triton.runtime.autotuner import Autotuner
 
-    from kernelcache.warm.triton import TritonWatch
+    from kernelcache.toolchains.triton import TritonWatch
 
     plain, hooked = interpreted
     original_run = Autotuner.run
@@ -115,7 +115,7 @@ def test_the_watch_reports_autotuners_whose_configs_have_a_pre_hook(interpreted)
 def test_a_single_config_with_a_pre_hook_has_nothing_to_cache(interpreted):
     import triton
 
-    from kernelcache.warm.triton import has_pre_hook
+    from kernelcache.toolchains.triton import has_pre_hook
 
     plain, hooked = interpreted
     single = triton.autotune([hooked.configs[0]], key=["n"])(plain.fn)
@@ -123,7 +123,7 @@ def test_a_single_config_with_a_pre_hook_has_nothing_to_cache(interpreted):
 
 
 def test_expect_fails_on_a_pre_hook_and_on_a_missing_autotune_result():
-    from kernelcache.warm.triton import TritonReport, check_expected
+    from kernelcache.toolchains.triton import TritonReport, check_expected
 
     report = TritonReport(warmer="triton", autotuned=["matmul"], not_cacheable=["hooked"])
     check_expected(["matmul"], report)
@@ -138,7 +138,7 @@ def test_expect_fails_on_a_pre_hook_and_on_a_missing_autotune_result():
 def test_the_arch_must_be_the_visible_gpus():
     from triton.backends.compiler import GPUTarget
 
-    from kernelcache.warm.triton import check_arch
+    from kernelcache.toolchains.triton import check_arch
 
     hopper = GPUTarget("cuda", 90, 32)
     check_arch("sm_90a", hopper)
@@ -155,7 +155,7 @@ def test_a_moved_cache_is_found_only_by_the_relocatable_manager(tmp_path, monkey
     """Triton's group file names a kernel's files by where they were written."""
     from triton.runtime.cache import FileCacheManager
 
-    from kernelcache.runtime.hooks import TRITON_CACHE_MANAGER as CACHE_MANAGER
+    from kernelcache.toolchains.triton import TRITON_CACHE_MANAGER as CACHE_MANAGER
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "staging"))
     writer = FileCacheManager("key")
@@ -215,7 +215,7 @@ def warm(workload):
 
 def serve(cache_dir: Path) -> tuple[int, str]:
     """examples/triton_kernels.py as a fresh serving process on ``cache_dir``."""
-    from kernelcache.runtime.hooks import TRITON_CACHE_MANAGER as CACHE_MANAGER
+    from kernelcache.toolchains.triton import TRITON_CACHE_MANAGER as CACHE_MANAGER
 
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "triton_kernels.py"), "--workload", json.dumps(WORKLOAD)],

@@ -28,7 +28,8 @@ from kernelcache.contract import CacheKey, image_reference
 from kernelcache.errors import ExitCode, StorageError, one_line
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
-from kernelcache.warm import make_warmers, run_warmers
+from kernelcache.toolchains import make_warmers
+from kernelcache.toolchains.base import run_warmers
 
 
 def cache_key(kc: KernelCache, arch: str) -> str:

@@ -251,10 +251,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:
     """vLLM's own cache key factors of two generations, where their warm reports hold them."""
-    from kernelcache import vllm_root
+    from kernelcache.toolchains import vllm
 
     reports = [_manifest_of(ref, store_root).report for ref in (left, right)]
-    for line in vllm_root.factor_diffs(*reports):
+    for line in vllm.factor_diffs(*reports):
         print(f"vllm cache_key_factors: {line}")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from kernelcache import contract
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
-from kernelcache.warm import CACHE_ENV
+from kernelcache.toolchains import cache_env
 
 # Toolchain -> (distribution, module imported to prove it works). The warmer types name them.
 TOOLCHAINS: dict[str, tuple[str, str]] = {
@@ -177,7 +177,7 @@ def writable(path: Path) -> bool:
 
 
 def _check_cache_env(report: Report, with_generation: bool) -> None:
-    for var, sub in CACHE_ENV.items():
+    for var, sub in cache_env().items():
         value = os.environ.get(var)
         if not value and with_generation:
             report.add(f"cache/{var}", "ok", f"unset: kernelcache.runtime points it at files/{sub}")

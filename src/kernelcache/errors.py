@@ -113,3 +113,11 @@ class WarmError(KernelCacheError):
 
 class LockedError(KernelCacheError):
     code = ExitCode.LOCKED
+
+
+class ColdCompileError(RuntimeError):
+    """A compile was needed in strict mode, where every kernel must come from the cache.
+
+    Raised inside the serving process by every toolchain's refusal (not a command's exit
+    class): one type, so serving code can catch a refusal as such.
+    """

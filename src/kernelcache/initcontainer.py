@@ -13,7 +13,7 @@
    declares, this environment (``--check-env``, when the init-container runs in the serving
    image), and the GPU product for autotune results (``--policy``; ``stamp_policy``).
 5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied (a
-   vLLM cache also to the absolute root it was built at, ``vllm_root``), and write
+   vLLM cache also to the absolute root it was built at, ``toolchains.vllm``), and write
    ``kernelcache.env`` (what the serving container reads, ``envfile``) last, atomically.
 
 Fail closed: every failure raises a ``KernelCacheError`` subclass whose one-line message
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache import contract, envfile, nodemap, vllm_root
+from kernelcache import contract, envfile, nodemap
 from kernelcache.contract import POLICIES, CacheKey
 from kernelcache.errors import (
     KernelCacheError,
@@ -64,6 +64,7 @@ from kernelcache.store import (
     materialize,
     verify,
 )
+from kernelcache.toolchains import vllm as vllm_root
 
 __all__ = [
     "Options",

@@ -19,6 +19,7 @@ from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey
 from kernelcache.errors import SpecError, StampMismatchError
 from kernelcache.images import InvalidImageReference, same_image
+from kernelcache.toolchains import is_tuning_file
 
 if TYPE_CHECKING:
     from kernelcache.node import NodeInfo
@@ -31,12 +32,6 @@ __all__ = [
     "tune_scoped_files",
     "tuning_to_drop",
 ]
-
-# Tuning results, valid for one GPU product (compiled kernels are valid for the whole arch),
-# as named in files/: Triton's saved autotune choices, inductor's tuned launch configs and
-# FlashInfer's autotuner tactics. A warm report can name more (a warmer's ``tactics.file``).
-TUNE_SUFFIXES = (".autotune.json", ".best_config")
-TUNE_PREFIXES = ("flashinfer/tactics/",)
 
 ENGINE_IMAGE_FACTOR = "extra/engine_image"
 
@@ -64,8 +59,10 @@ def _factors(manifest: Manifest) -> Mapping[str, str]:
 def tune_scoped_files(manifest: Manifest) -> list[str]:
     """The generation's files that hold tuning results, valid for one GPU product only.
 
-    By name (``TUNE_SUFFIXES`` anywhere, ``TUNE_PREFIXES`` under files/) and as the warm
-    report declares them (a warmer's ``tactics.file``, as the flashinfer warmer writes it).
+    By name (each toolchain's ``tuning_suffixes`` and ``tuning_prefixes``: Triton's saved
+    autotune choices, inductor's tuned launch configs, FlashInfer's autotuner tactics;
+    compiled kernels are valid for the whole arch) and as the warm report declares them (a
+    warmer's ``tactics.file``, as the flashinfer warmer writes it).
     """
     declared: set[str] = set()
     warmers = manifest.report.get("warmers")
@@ -73,11 +70,7 @@ def tune_scoped_files(manifest: Manifest) -> list[str]:
         tactics = report.get("tactics") if isinstance(report, Mapping) else None
         if isinstance(tactics, Mapping) and isinstance(tactics.get("file"), str):
             declared.add(tactics["file"])
-    return [
-        e.path
-        for e in manifest.files
-        if e.path in declared or e.path.endswith(TUNE_SUFFIXES) or e.path.startswith(TUNE_PREFIXES)
-    ]
+    return [e.path for e in manifest.files if e.path in declared or is_tuning_file(e.path)]
 
 
 def tuning_to_drop(manifest: Manifest, node: NodeInfo, policy: str) -> tuple[list[str], str]:

@@ -27,8 +27,8 @@ from kernelcache.runtime import metrics
 def main(workload_json: str, sm_count: int) -> None:
     runtime.install()
     from kernelcache.spec import B12xWorkload
-    from kernelcache.warm import b12x
-    from kernelcache.warm.flashinfer import parse_build_log
+    from kernelcache.toolchains import b12x
+    from kernelcache.toolchains.flashinfer import parse_build_log
 
     workload = B12xWorkload.model_validate(json.loads(workload_json))
     dispatch, _, _ = b12x._modules()

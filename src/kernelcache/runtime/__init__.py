@@ -7,22 +7,18 @@ the environment and then:
 
 1. checks the generation's stamp against this environment (``kernelcache_stamp_mismatch``,
    one log line naming the factor; strict mode refuses to start);
-2. points every toolchain cache variable of ``kernelcache.warm.CACHE_ENV`` at the
-   generation's ``files/<subdir>``, leaving any variable the user already set alone (the
-   default an earlier import of ``torch._inductor`` wrote for itself does not count);
-3. when the generation holds FlashInfer AOT modules (``FLASHINFER_AOT_SUBDIR``), points
-   FlashInfer at them and, in strict mode, sets ``FLASHINFER_DISABLE_JIT=1``;
-4. hooks each toolchain when the application imports it (``runtime.hooks``): the CuTe-DSL
-   disk layer, Triton's compile listener, dynamo/inductor compile callbacks, the torch
-   Mega-Cache (``files/torch-compile/megacache.bin``, loaded when torch is imported unless
-   inductor already reads the generation's own ``files/inductor``), inductor's tuned configs
-   kept from re-tuning (``observe_torch``), and a tail of FlashInfer's build log; a poll of
-   Triton's cache directory counts the compiles of other processes that share it (inductor's
-   compile workers), which Triton's listener in this process cannot see;
-5. for vLLM (``runtime.vllm``): runs the forward sizes the warm recorded before vLLM's JIT
-   monitor arms, arms it in ``error`` mode under strict, counts its events, and checks the
-   engine's model and the cache root (``vllm_root``) against the generation's stamp;
-6. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
+2. lets each toolchain check the generation's layout (``Toolchain.check_generation``: vLLM's
+   cache root holds the generation's files);
+3. sets each toolchain's serving environment (``Toolchain.serving_env``: its cache variables
+   at the generation's ``files/<subdir>``, its fixed settings, FlashInfer's arch list and,
+   in strict mode with AOT modules, ``FLASHINFER_DISABLE_JIT=1``), leaving any variable the
+   user already set alone (a default a toolchain wrote for itself does not count);
+4. lets each toolchain hook itself when the application imports it
+   (``Toolchain.observe``): the CuTe-DSL disk layer, Triton's compile listener and cache
+   manager, dynamo/inductor compile callbacks and the torch Mega-Cache, a tail of
+   FlashInfer's build log, vLLM's JIT monitor with the warmed forward sizes before it arms
+   (``kernelcache.toolchains.<name>`` says what each one counts and refuses);
+5. serves ``/metrics`` when ``KERNELCACHE_METRICS_PORT`` is set.
 
 The environment contract is ``kernelcache.contract``: every ``KERNELCACHE_*`` variable, read
 once into a ``contract.Settings`` (a malformed value is one SpecError line naming it), after
@@ -37,11 +33,9 @@ unless strict mode asks it to.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,45 +48,23 @@ from kernelcache.errors import (
     MissingGenerationError,
     StorageError,
 )
-from kernelcache.runtime import hooks, metrics, vllm
+from kernelcache.runtime import metrics
 from kernelcache.runtime.metrics import serve_metrics
+from kernelcache.toolchains import toolchains
+from kernelcache.toolchains.base import Serving
 
 if TYPE_CHECKING:
     from kernelcache.stamp import FactorDiff
     from kernelcache.store import Manifest
 
 __all__ = [
-    "FLASHINFER_AOT_SUBDIR",
-    "MEGACACHE_FILE",
-    "SERVING_SETTINGS",
     "Runtime",
     "autoinstall",
     "install",
-    "observe_torch",
     "serve_metrics",
 ]
 
 log = logging.getLogger(__name__)
-
-# Set (unless already set) besides the cache directories when serving from a generation.
-SERVING_SETTINGS = {
-    # Triton reads a saved autotune result only with autotune caching on.
-    "TRITON_CACHE_AUTOTUNING": "1",
-    # Inductor's kernels are loaded from the generation, not compiled: no compile-worker pool
-    # to start (seconds), and a compile that still happens stays in this process, counted.
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    # Processes this one starts without the runtime (an engine's helpers, compile workers)
-    # read the generation's relocated Triton cache too, instead of compiling every kernel.
-    "TRITON_CACHE_MANAGER": hooks.TRITON_CACHE_MANAGER,
-}
-
-# Written by the torch-compile warmer from torch.compiler.save_cache_artifacts().
-MEGACACHE_FILE = "torch-compile/megacache.bin"
-# The flashinfer warmer's prebuilt modules, in FlashInfer's own AOT layout
-# (``<name>/<name>.so``). Non-empty means FlashInfer can run with JIT disabled; a warm JIT
-# workspace (``files/flashinfer`` as FLASHINFER_WORKSPACE_BASE) is not enough for that,
-# since FLASHINFER_DISABLE_JIT refuses it too.
-FLASHINFER_AOT_SUBDIR = "flashinfer/aot"
 
 
 @dataclass
@@ -131,9 +103,11 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     files = None
     if config.generation_dir is not None:
         files = _open_generation(runtime, config.generation_dir)
+    serving = Serving(config, files, runtime.manifest, lambda n, v: _set_default(runtime, n, v))
     if files is not None:
-        _point_caches(runtime, files)
-    _observe(runtime, files)
+        _point_caches(runtime, serving, files)
+    for toolchain in toolchains():
+        toolchain.observe(serving)
     if config.metrics_port:
         runtime.metrics_port = _serve(config)
     _installed = runtime
@@ -170,25 +144,9 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
         # Still used: each toolchain keys its own artifacts, so whatever does not fit this
         # environment misses (and is counted) rather than being loaded.
         log.warning("kernelcache: %s", error.message)
-    _check_vllm_root(manifest, config.strict)
+    for toolchain in toolchains():
+        toolchain.check_generation(manifest, config.strict)
     return directory / FILES_DIR
-
-
-def _check_vllm_root(manifest: Manifest, strict: bool) -> None:
-    """vLLM reads its cache at the root it was built at: the init-container put it there."""
-    from kernelcache import vllm_root
-
-    root = vllm_root.recorded_root(manifest)
-    if root is None or not (lost := vllm_root.missing(manifest, root)):
-        return
-    error = StorageError(
-        f"{root}: the vLLM cache root lacks {len(lost)} of the generation's files, e.g. "
-        f"{lost[0]} (kernelcache verify --materialize puts them there)",
-        path=str(root),
-    )
-    if strict:
-        raise error
-    log.warning("kernelcache: %s; vLLM will compile what is missing", error.message)
 
 
 def _read_manifest(directory: Path) -> Manifest:
@@ -207,124 +165,17 @@ def _read_manifest(directory: Path) -> Manifest:
 
 
 def _set_default(runtime: Runtime, name: str, value: str) -> None:
-    if name not in os.environ or _set_by_inductor(name):
+    if name not in os.environ or any(t.holds_own_default(name) for t in toolchains()):
         os.environ[name] = value
         runtime.env[name] = value
 
 
-def _set_by_inductor(name: str) -> bool:
-    """Whether ``name`` holds inductor's own default, written by torch rather than the user.
-
-    Importing ``torch._inductor`` (``compile_fx``, say) sets ``TORCHINDUCTOR_CACHE_DIR`` to
-    ``/tmp/torchinductor_<user>`` when it is unset. An application that imports it before
-    ``install()`` would otherwise serve from that empty default instead of the generation.
-    Inductor reads the variable again at every cache access, so pointing it later works.
-    """
-    if name != "TORCHINDUCTOR_CACHE_DIR" or "torch._inductor" not in sys.modules:
-        return False
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # another torch: its default is not known here
-        return False
-    return os.environ[name] == os.path.abspath(default_cache_dir())
-
-
-def _point_caches(runtime: Runtime, files: Path) -> None:
-    from kernelcache.warm import CACHE_ENV
-
-    if "torch._inductor.config" in sys.modules:
-        log.warning(
-            "kernelcache: torch._inductor was imported before kernelcache.runtime.install(): "
-            "settings inductor reads at import (TORCHINDUCTOR_COMPILE_THREADS=1) do not apply; "
-            "install first, or set KERNELCACHE_RUNTIME=1"
-        )
-
-    from kernelcache import vllm_root
-
-    # A vLLM cache is read at the absolute root it was built at, never from files/vllm.
-    bound = runtime.manifest is not None and vllm_root.recorded_root(runtime.manifest) is not None
-    for name, subdir in CACHE_ENV.items():
-        if not (bound and name == vllm_root.ENV):
-            _set_default(runtime, name, str(files / subdir))
-    for name, value in SERVING_SETTINGS.items():
-        _set_default(runtime, name, value)
-    aot = files / FLASHINFER_AOT_SUBDIR
-    if aot.is_dir() and any(aot.iterdir()):
-        hooks.use_flashinfer_aot(aot)
-        if runtime.config.strict:
-            _set_default(runtime, "FLASHINFER_DISABLE_JIT", "1")
+def _point_caches(runtime: Runtime, serving: Serving, files: Path) -> None:
+    for toolchain in toolchains():
+        for name, value in toolchain.serving_env(serving, files).items():
+            _set_default(runtime, name, value)
     if runtime.env:
         log.info("kernelcache: serving from %s (%s)", files.parent, ", ".join(sorted(runtime.env)))
-
-
-def _observe(runtime: Runtime, files: Path | None) -> None:
-    config = runtime.config
-    hooks.watch_cute()
-    hooks.watch_triton(config.strict, config.poll_seconds)
-    observe_torch(files, config.strict)
-    factors = runtime.manifest.stamp.get("factors", {}) if runtime.manifest else {}
-    vllm.watch(
-        vllm.read_sizes(files) if files is not None else [],
-        config.strict,
-        factors.get(vllm.MODEL_FACTOR),
-    )
-    if config.strict:
-        hooks.refuse_flashinfer_cute_dsl_builds()
-    build_log = config.flashinfer_build_log
-    if build_log is None and importlib.util.find_spec("flashinfer") is not None:
-        build_log = _default_build_log(config.strict)
-        if build_log is not None:
-            _set_default(runtime, "FLASHINFER_JIT_BUILD_LOG", str(build_log))
-    if build_log is not None:
-        tail = hooks.BuildLogTail(build_log, config.flashinfer_min_build_seconds)
-        tail.start(config.poll_seconds)
-
-
-def _default_build_log(strict: bool) -> Path | None:
-    """A file for FlashInfer's build log in the temp dir; without a writable one (a read-only
-    root and no emptyDir at /tmp), strict mode refuses and permissive counts no builds."""
-    try:
-        return Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"
-    except FileNotFoundError:  # tempfile found no writable directory
-        message = (
-            "no writable temp directory for FlashInfer's build log: mount an emptyDir at "
-            "/tmp or set FLASHINFER_JIT_BUILD_LOG to a writable file"
-        )
-        if strict:
-            raise StorageError(message) from None
-        log.warning("kernelcache: %s; FlashInfer builds are not counted", message)
-        return None
-
-
-def observe_torch(files: Path | None, strict: bool) -> None:
-    """Count dynamo/inductor compiles; with a generation's ``files``, serve inductor from it.
-
-    Also used by the torch-compile warmer's replays, which must see what serving sees.
-    """
-    hooks.watch_inductor(strict, _megacache_to_load(files) if files is not None else None)
-    if files is not None:
-        hooks.keep_tuned_configs()
-
-
-def _megacache_to_load(files: Path) -> Path | None:
-    """The generation's Mega-Cache, unless inductor already reads the generation's own cache.
-
-    The warm process's inductor cache (``files/inductor``) holds every artifact of the blob
-    plus what the warmer's replays added after it was saved. Loading the blob over it would
-    put the first process's autotune results back over the replays' ones, in an order that
-    varies per process (the blob can hold several results for one kernel).
-    """
-    blob = files / MEGACACHE_FILE
-    if not blob.is_file():
-        return None
-    from kernelcache.warm import CACHE_ENV
-
-    own = files / CACHE_ENV["TORCHINDUCTOR_CACHE_DIR"]
-    in_use = os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(own)
-    if in_use and own.is_dir() and any(own.iterdir()):
-        log.info("kernelcache: inductor reads the generation's own cache; Mega-Cache not loaded")
-        return None
-    return blob
 
 
 def _serve(config: Settings) -> int | None:

@@ -41,6 +41,7 @@ from typing import Any
 import blake3
 
 from kernelcache import contract
+from kernelcache.errors import ColdCompileError
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ CACHE_DIR_ENV = "KERNELCACHE_CUTE_DSL_DIR"
 KEY_FORMAT = "kernelcache.dev/cute-dsl/v2"  # v2: sources of the imported modules
 # Fallback only: CUTE_DSL_* settings that say where to write or what to log.
 _NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
-
-
-class ColdCompileError(RuntimeError):
-    """A compile was needed in strict mode, where every kernel must come from the cache."""
 
 
 class UncacheableError(ValueError):

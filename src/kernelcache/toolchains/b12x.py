@@ -44,27 +44,24 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernelcache import progress
-from kernelcache.errors import WarmError
-from kernelcache.spec import B12xWorkload, GpuClass
-from kernelcache.warm import (
-    CACHE_ENV,
-    Warmer,
-    WarmerReport,
-    record_growth,
-    scoped_env,
-    snapshot,
-)
-from kernelcache.warm.flashinfer import (
+from kernelcache.errors import ColdCompileError, WarmError
+from kernelcache.runtime import metrics
+from kernelcache.runtime.imports import when_imported
+from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, scoped_env
+from kernelcache.toolchains.cute_dsl import SUBDIR as CUTE_SUBDIR
+from kernelcache.toolchains.flashinfer import (
     SUBDIR,
     cuda_arch_list,
     import_flashinfer,
     parse_build_log,
 )
 
-CUTE_SUBDIR = CACHE_ENV["KERNELCACHE_CUTE_DSL_DIR"]
+if TYPE_CHECKING:
+    from kernelcache.spec import B12xWorkload, GpuClass
+
 _ARCH = re.compile(r"^sm_(12[01])a$")
 
 
@@ -133,6 +130,8 @@ class B12xReport(WarmerReport):
 
 class B12xWarmer(Warmer):
     type = "b12x"
+    report_type = B12xReport
+    fills = (SUBDIR, CUTE_SUBDIR)
 
     @property
     def label(self) -> str:
@@ -151,26 +150,22 @@ class B12xWarmer(Warmer):
     def sm_counts(self, arch: str) -> list[int]:
         return [t.sm_count for t in targets_for(arch, self.gpu_classes)]
 
-    def run(self, files_dir: Path, arch: str) -> B12xReport:
+    def env(self, files_dir: Path, arch: str) -> dict[str, str]:
+        return {
+            "FLASHINFER_WORKSPACE_BASE": str(files_dir / SUBDIR),
+            "FLASHINFER_CUDA_ARCH_LIST": arch_list(arch),
+            "CUTE_DSL_ARCH": arch,
+        }
+
+    def produce(self, files_dir: Path, arch: str, report: B12xReport) -> None:
         workload = self.config.b12x_workload()
         targets = targets_for(arch, self.gpu_classes)
-        base = files_dir / SUBDIR
-        base.mkdir(parents=True, exist_ok=True)
-        report = B12xReport(warmer=self.label, arch_list=arch_list(arch))
+        report.arch_list = arch_list(arch)
         report.targets = [t.label for t in targets]
-        before = snapshot(files_dir, (SUBDIR, CUTE_SUBDIR))
-        start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kernelcache-b12x-") as tmp:
             log = Path(tmp) / "build-log.jsonl"
-            env = {
-                **self.config.env,
-                "FLASHINFER_WORKSPACE_BASE": str(base),
-                "FLASHINFER_CUDA_ARCH_LIST": report.arch_list,
-                "FLASHINFER_JIT_BUILD_LOG": str(log),
-                "CUTE_DSL_ARCH": arch,
-            }
-            with scoped_env(env):
-                jit_env = import_flashinfer(base)
+            with scoped_env({"FLASHINFER_JIT_BUILD_LOG": str(log)}):
+                jit_env = import_flashinfer(files_dir / SUBDIR)
                 kernels: dict[str, Recorded] = {}
                 for target in targets:
                     with answered_for(target):
@@ -199,10 +194,41 @@ class B12xWarmer(Warmer):
         report.compile_seconds = {k.name: round(k.seconds, 3) for k in kernels.values()}
         report.serial_seconds = round(sum(k.seconds for k in kernels.values()), 3)
         report.compiled = len(builds) + len(report.direct_micro)
-        report.seconds = round(time.perf_counter() - start, 3)
-        after = snapshot(files_dir, (SUBDIR, CUTE_SUBDIR))
-        record_growth(report, files_dir, {p: n for p, n in after.items() if before.get(p) != n})
-        return report
+
+
+class B12x(Toolchain):
+    """FlashInfer's SM12x fused-MoE kernels: files in FlashInfer's workspace and the CuTe-DSL
+    disk layer (their cache variables are those toolchains')."""
+
+    def observe(self, serving: Serving) -> None:
+        if serving.config.strict:
+            refuse_cute_dsl_builds()
+
+
+def refuse_cute_dsl_builds() -> None:
+    """Strict mode: a FlashInfer CuTe-DSL kernel (b12x) missing from the generation is refused.
+
+    FlashInfer looks for the kernel's ``.o`` first and calls ``JitSpecCuteDsl.build`` only on
+    a miss; the refusal names the kernel, which ``FLASHINFER_DISABLE_JIT``'s error does not.
+    """
+    when_imported("flashinfer.jit.cute_dsl_core", _refuse_cute_dsl_builds)
+
+
+def _refuse_cute_dsl_builds(module: ModuleType) -> None:
+    def build(spec: Any) -> None:
+        kernel = spec.name  # <module>/<kernel>
+        metrics.record_compile("flashinfer", kernel, None)
+        raise ColdCompileError(
+            f"flashinfer: cold compile of {kernel} in strict mode (not in the generation)"
+        )
+
+    module.JitSpecCuteDsl.build = build
+
+
+TOOLCHAIN = B12x(
+    name="b12x",
+    warmers=(B12xWarmer,),
+)
 
 
 # ------------------------------------------------------------------ FlashInfer's b12x modules

@@ -1,12 +1,19 @@
-"""Warmers: plugins that drive one toolchain with its caches pointed at a staging dir.
+"""What every toolchain module declares, and the warm flow written once for all of them.
 
-Each warmer declares the kernel sources it depends on (they become stamp factors), runs,
-and reports what it produced. A warmer that was declared but produced nothing is a failed
-warm, not a success: persistence that fails open fails silently, so we check the files.
+A toolchain (``kernelcache.toolchains.<name>``) owns both sides of one compiler or engine:
+the ``files/`` subdirectories its cache variables point at, its warmers, the serving
+environment it needs, how a serving process observes (and in strict mode refuses) its
+compiles, and which of its files hold tuning valid for one GPU product only. The registry
+(``kernelcache.toolchains``) finds the modules; nothing names them.
 
-The env contract: every toolchain's cache variable points at its own subdirectory of the
-generation's ``files/``, so whatever runs under a warmer (an entry point, ``vllm serve``, a
-script) fills the generation. The same table tells the serving side where to look.
+The warm flow (``Warmer.run``) is the same for every warmer, the way FlashInfer's ``JitSpec``
+owns load-else-build for each of its modules: scoped environment, then the warmer's own
+``produce`` step, then count what appeared in its subdirectories, then its ``expect`` checks.
+A warmer that was declared but produced nothing is a failed warm, not a success
+(``run_warmers``): persistence that fails open fails silently, so we check the files.
+
+Light at import: the init-container and the webhook import the toolchains' names, so torch,
+Triton, the DSL and FlashInfer are imported inside functions only.
 """
 
 from __future__ import annotations
@@ -15,36 +22,87 @@ import contextlib
 import importlib
 import os
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kernelcache import progress
+from kernelcache.deadline import deadline
 from kernelcache.errors import WarmError, one_line
 from kernelcache.sources import ABSENT, SourceError, module_sources
-from kernelcache.spec import GpuClass
-from kernelcache.spec import Warmer as WarmerSpec
-from kernelcache.warm.deadline import deadline
 
-# Cache variable -> subdirectory of files/ it is pointed at during a warm.
-CACHE_ENV: dict[str, str] = {
-    "KERNELCACHE_CUTE_DSL_DIR": "cute-dsl",  # kernelcache's disk layer for cute.compile
-    "CUTE_DSL_CACHE_DIR": "cute-dsl-jit",  # the DSL's own file cache (jit-decorated calls)
-    "TRITON_CACHE_DIR": "triton",
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
-    "VLLM_CACHE_ROOT": "vllm",
-    "SGLANG_CACHE_DIR": "sglang",
-}
+if TYPE_CHECKING:
+    from kernelcache.contract import Settings
+    from kernelcache.spec import GpuClass
+    from kernelcache.spec import Warmer as WarmerSpec
+    from kernelcache.store import Manifest
 
 
-def cache_env(files_dir: Path) -> dict[str, str]:
+@dataclass
+class Serving:
+    """What ``kernelcache.runtime.install()`` hands each toolchain in a serving process."""
+
+    config: Settings
+    files: Path | None  # the generation's files/; None: no generation, compiles only counted
+    manifest: Manifest | None
+    # Sets a variable unless the user already did (recorded in ``Runtime.env``).
+    set_default: Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """One toolchain's declarations and its serving side; a module's ``TOOLCHAIN`` is one
+    (a subclass where the toolchain does more in serving than point its caches)."""
+
+    name: str
+    # Cache variable -> subdirectory of files/ it is pointed at, in a warm and in serving.
+    cache_env: Mapping[str, str] = field(default_factory=dict)
+    # Set (unless already set) besides the cache variables when serving from a generation.
+    serving_settings: Mapping[str, str] = field(default_factory=dict)
+    # Files (as named under files/) holding tuning valid for one GPU product only.
+    tuning_suffixes: tuple[str, ...] = ()
+    tuning_prefixes: tuple[str, ...] = ()
+    # The warmer types this toolchain provides (``spec.warmers[].type``).
+    warmers: tuple[type[Warmer], ...] = ()
+
+    def serving_env(self, serving: Serving, files: Path) -> dict[str, str]:
+        """The variables a serving process sets (unless already set) to use ``files``."""
+        pointed = {var: str(files / sub) for var, sub in self.cache_env.items()}
+        return {**pointed, **self.serving_settings}
+
+    def check_generation(self, manifest: Manifest, strict: bool) -> None:
+        """Refuse (strict) or warn about a generation this process cannot use as laid out."""
+
+    def observe(self, serving: Serving) -> None:
+        """Count this toolchain's compiles in serving (refuse them when strict), installed
+        when the application imports the toolchain (``runtime.imports.when_imported``)."""
+
+    def holds_own_default(self, name: str) -> bool:
+        """Whether ``name`` holds a value the toolchain wrote for itself, not the user's."""
+        return False
+
+
+def poll_forever(poll: Callable[[], None], interval: float, name: str) -> threading.Thread:
+    """``poll()`` every ``interval`` seconds in a daemon thread (a serving-side watcher)."""
+
+    def follow() -> None:
+        while True:
+            poll()
+            time.sleep(interval)
+
+    thread = threading.Thread(target=follow, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def make_cache_dirs(files_dir: Path, cache_env: Mapping[str, str]) -> dict[str, str]:
     """The cache variables pointed at subdirectories of ``files_dir`` (created here)."""
     env = {}
-    for var, sub in CACHE_ENV.items():
+    for var, sub in cache_env.items():
         (files_dir / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(files_dir / sub)
     return env
@@ -80,6 +138,13 @@ class Warmer(ABC):
     """One declared warmer of a spec."""
 
     type: ClassVar[str]
+    report_type: ClassVar[Callable[..., WarmerReport]] = WarmerReport
+    # The files/ subdirectories this warmer fills: created before it runs, counted after.
+    fills: ClassVar[tuple[str, ...]] = ()
+    # False: the report counts the files this warmer added or changed. True: every file of
+    # its subdirectories, so a warmer whose kernels an earlier one already left (all hits)
+    # still reports what the generation holds for it.
+    counts_held: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -111,9 +176,38 @@ class Warmer(ABC):
         """SM counts the artifacts are sized for (stamp factor ``gpu/sm_count``); none: any."""
         return []
 
-    @abstractmethod
     def run(self, files_dir: Path, arch: str) -> WarmerReport:
-        """Fill ``files_dir`` (the generation's ``files/``) and report what was produced."""
+        """Fill ``files_dir`` (the generation's ``files/``) and report what was produced:
+        scoped environment, ``produce``, count what appeared, ``check_expected``."""
+        for sub in self.fills:
+            (files_dir / sub).mkdir(parents=True, exist_ok=True)
+        before = {} if self.counts_held else snapshot(files_dir, self.counted_dirs(files_dir))
+        report = self.report_type(warmer=self.label)
+        start = time.perf_counter()
+        with scoped_env({**self.config.env, **self.env(files_dir, arch)}):
+            self.produce(files_dir, arch, report)
+        report.seconds = round(time.perf_counter() - start, 3)
+        after = snapshot(files_dir, self.counted_dirs(files_dir))
+        grown = {path: size for path, size in after.items() if before.get(path) != size}
+        record_growth(report, files_dir, grown)
+        self.check_expected(report, grown, arch)
+        return report
+
+    def env(self, files_dir: Path, arch: str) -> dict[str, str]:
+        """The variables the warm runs under, over the spec's ``env`` (its caches, say)."""
+        return {}
+
+    @abstractmethod
+    def produce(self, files_dir: Path, arch: str, report: Any) -> None:
+        """Drive the toolchain so that it fills its subdirectories; note what it did."""
+
+    def counted_dirs(self, files_dir: Path) -> Iterable[str]:
+        """The subdirectories whose files the report counts."""
+        return self.fills
+
+    def check_expected(self, report: Any, grown: Mapping[Path, int], arch: str) -> None:
+        """Fail the warm when an artifact the spec declares (``expect``) did not appear."""
+        return None
 
 
 def resolve_entry_point(entry_point: str, spec_dir: Path | None) -> Callable[..., Any]:
@@ -228,39 +322,6 @@ def record_growth(report: WarmerReport, files_dir: Path, grown: Mapping[Path, in
         usage = report.dirs.setdefault(sub, {"files": 0, "bytes": 0})
         usage["files"] += 1
         usage["bytes"] += size
-
-
-# Warmer type -> "module:Class"; imported only when a spec uses it (torch, triton and
-# FlashInfer are heavy, and absent from the init-container image).
-WARMERS = {
-    "cute-dsl": "kernelcache.warm.cute_dsl:CuteDslWarmer",
-    "triton": "kernelcache.warm.triton:TritonWarmer",
-    "torch-compile": "kernelcache.warm.torch_compile:TorchCompileWarmer",
-    "flashinfer": "kernelcache.warm.flashinfer:FlashInferWarmer",
-    "b12x": "kernelcache.warm.b12x:B12xWarmer",
-    "vllm": "kernelcache.warm.vllm:VllmWarmer",
-    "command": "kernelcache.warm.command:CommandWarmer",
-}
-
-
-def warmer_class(kind: str) -> type[Warmer]:
-    module_name, _, class_name = WARMERS[kind].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WarmError(f"{kind} warmer unavailable here: {exc}") from exc
-    cls: type[Warmer] = getattr(module, class_name)
-    return cls
-
-
-def make_warmers(
-    configs: list[WarmerSpec], spec_dir: Path | None = None, gpu_classes: Sequence[GpuClass] = ()
-) -> list[Warmer]:
-    """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names none)."""
-    return [
-        warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)])
-        for c in configs
-    ]
 
 
 def run_warmers(

@@ -1,6 +1,7 @@
 """The command warmer: run any command (an engine's own warm-up) with every cache env set.
 
-The command sees each variable of ``CACHE_ENV`` pointed at its staging subdirectory, plus
+The command sees each toolchain's cache variable (``kernelcache.toolchains.CACHE_ENV``)
+pointed at its staging subdirectory, plus
 ``KERNELCACHE_ARCH``, ``KERNELCACHE_FILES`` (the generation's ``files/``) and
 ``KERNELCACHE_WORKLOAD`` (the spec's workload as JSON). Output streams through, so a long
 warm-up shows its own progress (without terminal escapes when it goes to a pipe or a log).
@@ -13,13 +14,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO, TextIO
 
+from kernelcache.deadline import kill_group
 from kernelcache.errors import WarmError, plain
-from kernelcache.warm import Warmer, WarmerReport, cache_env, dir_usage
-from kernelcache.warm.deadline import kill_group
+from kernelcache.toolchains.base import Toolchain, Warmer, WarmerReport, make_cache_dirs
 
 
 class CommandWarmer(Warmer):
@@ -29,39 +29,27 @@ class CommandWarmer(Warmer):
     def label(self) -> str:
         return f"command {self.config.command[0]}"
 
-    def run(self, files_dir: Path, arch: str) -> WarmerReport:
-        before = dir_usage(files_dir)
-        env = {
-            **os.environ,
-            **self.config.env,
-            **cache_env(files_dir),
+    def env(self, files_dir: Path, arch: str) -> dict[str, str]:
+        from kernelcache.toolchains import cache_env
+
+        return {
+            **make_cache_dirs(files_dir, cache_env()),
             "CUTE_DSL_ARCH": arch,
             "KERNELCACHE_ARCH": arch,
             "KERNELCACHE_FILES": str(files_dir),
             "KERNELCACHE_WORKLOAD": json.dumps(self.config.workload, sort_keys=True),
         }
-        start = time.perf_counter()
-        returncode = self._run(env, arch)
+
+    def counted_dirs(self, files_dir: Path) -> list[str]:
+        """Every subdirectory of files/: a command may fill one no toolchain declares."""
+        return sorted(p.name for p in files_dir.iterdir() if p.is_dir())
+
+    def produce(self, files_dir: Path, arch: str, report: WarmerReport) -> None:
+        returncode = self._run(dict(os.environ), arch)
         if returncode != 0:
             raise WarmError(
                 f"command warmer: {self.config.command[0]} exited with {returncode} for {arch}"
             )
-        after = dir_usage(files_dir)
-        grown = {
-            sub: {
-                "files": use["files"] - before.get(sub, {}).get("files", 0),
-                "bytes": use["bytes"] - before.get(sub, {}).get("bytes", 0),
-            }
-            for sub, use in after.items()
-            if use != before.get(sub)
-        }
-        return WarmerReport(
-            warmer=self.label,
-            seconds=round(time.perf_counter() - start, 3),
-            files=sum(g["files"] for g in grown.values()),
-            bytes=sum(g["bytes"] for g in grown.values()),
-            dirs=grown,
-        )
 
     def _run(self, env: dict[str, str], arch: str) -> int:
         """Run the command in its own process group, and kill the group when it is done: a
@@ -107,3 +95,7 @@ def _relay(source: IO[bytes], sink: TextIO) -> None:
         for raw in source:
             sink.write(plain(raw.decode(errors="replace").rstrip("\n")) + "\n")
             sink.flush()
+
+
+# Any command: it uses the other toolchains' caches and has none of its own.
+TOOLCHAIN = Toolchain(name="command", warmers=(CommandWarmer,))

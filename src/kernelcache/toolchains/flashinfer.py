@@ -1,4 +1,5 @@
-"""The flashinfer warmer: JIT-build FlashInfer's modules and tune its ops into the generation.
+"""FlashInfer: JIT-build its modules and tune its ops into the generation, and count in serving
+the module builds its build log records.
 
 FlashInfer compiles each kernel family with nvcc the first time a process calls it (10-12 s
 per module on an H200) and profiles tunable ops on every process start unless a tactics file
@@ -19,42 +20,62 @@ exits 0. So every declared artifact (``expect``: ``module:<name>``, ``tactics``)
 after the run, and a missing one fails the warm with one line naming it.
 
 FlashInfer reads its cache variables when it is imported, so nothing here imports it at module
-import time; ``run`` sets the environment first (the build runs each arch in its own process).
+import time; the warm sets the environment first (the build runs each arch in its own process).
+
+Serving (``FlashInfer.serving_env``, ``FlashInfer.observe``): FlashInfer is pointed at the
+generation's workspace with the arch list the warm used and, when the generation holds AOT
+modules, at those; strict mode then sets ``FLASHINFER_DISABLE_JIT=1``, so FlashInfer itself
+refuses a module missing from them. Its ``FLASHINFER_JIT_BUILD_LOG`` (one JSON line per
+module build) is tailed by a thread (``BuildLogTail``), counting this process's builds only
+and a ninja no-op as a cache hit (``parse_build_log`` and the tail read a line by one rule,
+``build_record``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
-import time
+import threading
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kernelcache import progress
-from kernelcache.errors import WarmError
-from kernelcache.warm import (
-    CACHE_ENV,
+from kernelcache import contract, progress
+from kernelcache.errors import StorageError, WarmError
+from kernelcache.runtime import metrics
+from kernelcache.runtime.imports import when_imported
+from kernelcache.toolchains.base import (
+    Serving,
+    Toolchain,
     Warmer,
     WarmerReport,
-    dir_usage,
+    poll_forever,
     resolve_entry_point,
     scoped_env,
 )
 
-SUBDIR = CACHE_ENV["FLASHINFER_WORKSPACE_BASE"]
+if TYPE_CHECKING:
+    from kernelcache.store import Manifest
+
+log = logging.getLogger(__name__)
+
+SUBDIR = "flashinfer"  # FLASHINFER_WORKSPACE_BASE
 AOT_SUBDIR = "aot"
 TACTICS_SUBDIR = "tactics"
 JIT_SUBDIR = "cached_ops"  # FLASHINFER_JIT_DIR inside the workspace (flashinfer/jit/env.py)
 
 # A ninja run that finds everything up to date takes ~0.01 s; the smallest real nvcc build
-# takes seconds. Half a second leaves room for a slow disk stat-ing every header.
-NOOP_SECONDS = 0.5
+# takes seconds. Half a second leaves room for a slow disk stat-ing every header. One rule
+# for the warm and for serving, where KERNELCACHE_FLASHINFER_MIN_BUILD_S can change it.
+NOOP_SECONDS: float = contract.FLASHINFER_MIN_BUILD_S.default
 
 # Values FlashInfer's autotuner records when it cannot identify the GPU: a file stamped so
 # is ignored on load (and replaced on the next tuned save).
@@ -74,42 +95,44 @@ class BuildRecord:
     noop: bool
 
 
+def build_record(line: str | bytes, noop_threshold: float = NOOP_SECONDS) -> BuildRecord | None:
+    """One line of a FlashInfer build log, or None when it is not a complete record.
+
+    FlashInfer appends ``{"toolchain","name","seconds","pid","time"}`` per build, and its
+    ninja-driven modules log every load that goes through ninja, so a warm load reads as a
+    "build" of ~0.01 s: below ``noop_threshold`` it is a no-op. CuTe-DSL kernels (toolchain
+    ``cute_dsl``) are logged only after a compile (a disk hit returns before the build), so
+    they are always real. The log may be shared with other processes and is FlashInfer's
+    format, not our input: a reader never fails on a line.
+    """
+    try:
+        obj = json.loads(line)
+        toolchain, seconds = str(obj["toolchain"]), float(obj["seconds"])
+        return BuildRecord(
+            toolchain=toolchain,
+            name=str(obj["name"]),
+            seconds=seconds,
+            pid=int(obj["pid"]),
+            time=float(obj["time"]),
+            noop=toolchain != "cute_dsl" and seconds < noop_threshold,
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
 def parse_build_log(
     path: str | os.PathLike[str], pid: int | None = None, noop_threshold: float = NOOP_SECONDS
 ) -> list[BuildRecord]:
     """The records of a FlashInfer build log, oldest first; ``pid`` keeps one process's.
 
-    FlashInfer appends ``{"toolchain","name","seconds","pid","time"}`` per build, and nvcc
-    modules log every load that goes through ninja, so a warm load reads as an nvcc "build"
-    of ~0.01 s: below ``noop_threshold`` it is a no-op. CuTe-DSL kernels (toolchain
-    ``cute_dsl``) are logged only after a compile (a disk hit returns before the build), so
-    they are always real. Lines that are not complete records are skipped: the log may be
-    shared with other processes, and a reader must never fail on it. A missing file is an
-    empty log.
+    Each line is read by ``build_record``; a missing file is an empty log.
     """
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return []
-    records = []
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-            record = BuildRecord(
-                toolchain=str(obj["toolchain"]),
-                name=str(obj["name"]),
-                seconds=float(obj["seconds"]),
-                pid=int(obj["pid"]),
-                time=float(obj["time"]),
-                noop=False,
-            )
-        except (ValueError, TypeError, KeyError):
-            continue
-        if pid is not None and record.pid != pid:
-            continue
-        noop = record.toolchain == "nvcc" and record.seconds < noop_threshold
-        records.append(BuildRecord(**{**asdict(record), "noop": noop}))
-    return records
+    records = [build_record(line, noop_threshold) for line in text.splitlines()]
+    return [r for r in records if r is not None and (pid is None or r.pid == pid)]
 
 
 def cuda_arch_list(arch: str) -> str:
@@ -201,19 +224,38 @@ def aot_layout(workspace: Path, target: Path) -> list[str]:
     return names
 
 
-def serving_env(flashinfer_dir: Path, arch: str) -> dict[str, str]:
+def serving_env(
+    flashinfer_dir: Path, arch: str | None, *, strict: bool = True, arch_list: str | None = None
+) -> dict[str, str]:
     """The variables a serving process sets (before importing FlashInfer) to use a generation.
 
     The workspace directory FlashInfer looks in is named after the arch list, and on its own
     FlashInfer picks the list from the GPU and CUDA version (sm_120 becomes "120f" with CUDA
-    12.9+), so the list the warm used is part of the contract. ``FLASHINFER_DISABLE_JIT`` makes
-    a module missing from the AOT layout an error instead of a compile.
+    12.9+), so the list the warm used is part of the contract: ``arch_list`` as the warm
+    recorded it, else the one this warmer uses for ``arch``; neither: FlashInfer picks.
+    ``strict``: ``FLASHINFER_DISABLE_JIT``, which makes a module missing from the AOT layout
+    an error instead of a compile (the one place kernelcache decides it).
     """
-    return {
-        "FLASHINFER_WORKSPACE_BASE": str(flashinfer_dir),
-        "FLASHINFER_CUDA_ARCH_LIST": cuda_arch_list(arch),
-        "FLASHINFER_DISABLE_JIT": "1",
+    env = {"FLASHINFER_WORKSPACE_BASE": str(flashinfer_dir)}
+    chosen = arch_list or (cuda_arch_list(arch) if arch else None)
+    if chosen:
+        env["FLASHINFER_CUDA_ARCH_LIST"] = chosen
+    if strict:
+        env["FLASHINFER_DISABLE_JIT"] = "1"
+    return env
+
+
+def recorded_arch_list(manifest: Manifest | None) -> str | None:
+    """The ``FLASHINFER_CUDA_ARCH_LIST`` the generation's warmers used, when they agree."""
+    warmers = manifest.report.get("warmers") if manifest is not None else None
+    lists = {
+        report["arch_list"]
+        for report in (warmers if isinstance(warmers, list) else ())
+        if isinstance(report, Mapping)
+        and isinstance(report.get("arch_list"), str)
+        and report["arch_list"]
     }
+    return lists.pop() if len(lists) == 1 else None
 
 
 def use_aot_dir(aot_dir: Path) -> None:
@@ -260,27 +302,28 @@ class FlashInferReport(WarmerReport):
 
 class FlashInferWarmer(Warmer):
     type = "flashinfer"
+    report_type = FlashInferReport
+    fills = (SUBDIR,)
+    counts_held = True
 
-    def run(self, files_dir: Path, arch: str) -> FlashInferReport:
-        expected_modules, expect_tactics = self._declared()
+    def env(self, files_dir: Path, arch: str) -> dict[str, str]:
+        return {
+            "FLASHINFER_WORKSPACE_BASE": str(files_dir / SUBDIR),
+            "FLASHINFER_CUDA_ARCH_LIST": cuda_arch_list(arch),
+            "CUTE_DSL_ARCH": arch,
+            "KERNELCACHE_ARCH": arch,
+        }
+
+    def produce(self, files_dir: Path, arch: str, report: FlashInferReport) -> None:
+        _, expect_tactics = self._declared()
         tune = self.config.workload.get("tune") is True
         if expect_tactics and not tune:
             raise WarmError("flashinfer warmer: expect 'tactics' needs the workload's tune: true")
         base = files_dir / SUBDIR
-        base.mkdir(parents=True, exist_ok=True)
-        report = FlashInferReport(warmer=self.label, arch_list=cuda_arch_list(arch))
-        start = time.perf_counter()
+        report.arch_list = cuda_arch_list(arch)
         with tempfile.TemporaryDirectory(prefix="kernelcache-flashinfer-") as tmp:
             log = Path(tmp) / "build-log.jsonl"
-            env = {
-                **self.config.env,
-                "FLASHINFER_WORKSPACE_BASE": str(base),
-                "FLASHINFER_CUDA_ARCH_LIST": report.arch_list,
-                "FLASHINFER_JIT_BUILD_LOG": str(log),
-                "CUTE_DSL_ARCH": arch,
-                "KERNELCACHE_ARCH": arch,
-            }
-            with scoped_env(env):
+            with scoped_env({"FLASHINFER_JIT_BUILD_LOG": str(log)}):
                 jit_env = import_flashinfer(base)
                 gpu = _tuning_gpu(arch) if tune else None
                 tactics = tactics_file(base, gpu) if gpu is not None else None
@@ -291,14 +334,6 @@ class FlashInferWarmer(Warmer):
         report.workspace = workspace.relative_to(files_dir).as_posix()
         report.modules = built_modules(workspace / JIT_SUBDIR)
         report.cute_dsl_modules = cute_dsl_modules(workspace / JIT_SUBDIR)
-        missing = [m for m in expected_modules if m not in report.modules + report.cute_dsl_modules]
-        if missing:
-            present = report.modules + report.cute_dsl_modules
-            built = ", ".join(present[:5]) + (f" (+{len(present) - 5} more)" if present[5:] else "")
-            raise WarmError(
-                f"flashinfer warmer: declared module {missing[0]} did not appear under "
-                f"{report.workspace}/{JIT_SUBDIR} for {arch} (built: {built or 'none'})"
-            )
         if tactics is not None and gpu is not None:
             entries = check_tactics(tactics, gpu)
             report.tactics = {
@@ -313,10 +348,21 @@ class FlashInferWarmer(Warmer):
                 progress.compiled(f"flashinfer/{record.toolchain}", record.name, record.seconds)
         report.noops = [asdict(r) for r in records if r.noop]
         report.compiled = len(report.builds)
-        report.seconds = round(time.perf_counter() - start, 3)
-        usage = dir_usage(files_dir).get(SUBDIR, {"files": 0, "bytes": 0})
-        report.files, report.bytes = usage["files"], usage["bytes"]
-        return report
+
+    def check_expected(
+        self, report: FlashInferReport, grown: Mapping[Path, int], arch: str
+    ) -> None:
+        """Every declared ``module:<name>`` was built (nvcc or CuTe-DSL); a declared tactics
+        file was checked as it was tuned (``check_tactics``)."""
+        expected_modules, _ = self._declared()
+        present = report.modules + report.cute_dsl_modules
+        missing = [m for m in expected_modules if m not in present]
+        if missing:
+            built = ", ".join(present[:5]) + (f" (+{len(present) - 5} more)" if present[5:] else "")
+            raise WarmError(
+                f"flashinfer warmer: declared module {missing[0]} did not appear under "
+                f"{report.workspace}/{JIT_SUBDIR} for {arch} (built: {built or 'none'})"
+            )
 
     def _declared(self) -> tuple[list[str], bool]:
         """The ``expect`` entries: module names, and whether a tactics file is declared."""
@@ -398,3 +444,104 @@ def _summary(exc: BaseException) -> str:
 def _shown(path: Path) -> str:
     """A tactics file as messages name it: ``tactics/<gpu>.json``."""
     return f"{path.parent.name}/{path.name}"
+
+
+# ------------------------------------------------------------------------------ serving
+
+
+class BuildLogTail:
+    """Counts the module builds that FlashInfer logs to ``FLASHINFER_JIT_BUILD_LOG``.
+
+    The file contract (FlashInfer 0.7.x): one JSON object per line (``build_record``),
+    appended by every process that shares the file. Only this process's lines count, and a
+    no-op (ninja found the module up to date) is counted as a cache hit. Reading starts at
+    the end of the file as it was when the tail was created: earlier lines are other
+    processes' history.
+    """
+
+    def __init__(self, path: Path, min_seconds: float, pid: int | None = None) -> None:
+        self.path = path
+        self.min_seconds = min_seconds
+        self.pid = os.getpid() if pid is None else pid
+        try:
+            self._offset = path.stat().st_size
+        except OSError:
+            self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> None:
+        """Count the lines appended since the last poll (a line still being written waits)."""
+        try:
+            with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # truncated or replaced
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return  # not created yet: nothing was built
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            record = build_record(line, self.min_seconds)
+            if record is None or record.pid != self.pid:
+                continue
+            if record.noop:
+                metrics.record_hit("flashinfer")
+            else:
+                metrics.record_compile("flashinfer", record.name, record.seconds)
+
+    def start(self, interval: float) -> threading.Thread:
+        return poll_forever(self.poll, interval, "kernelcache-flashinfer-log")
+
+
+def default_build_log(strict: bool) -> Path | None:
+    """A file for FlashInfer's build log in the temp dir; without a writable one (a read-only
+    root and no emptyDir at /tmp), strict mode refuses and permissive counts no builds."""
+    try:
+        return Path(tempfile.gettempdir()) / f"kernelcache-flashinfer-{os.getpid()}.jsonl"
+    except FileNotFoundError:  # tempfile found no writable directory
+        message = (
+            "no writable temp directory for FlashInfer's build log: mount an emptyDir at "
+            "/tmp or set FLASHINFER_JIT_BUILD_LOG to a writable file"
+        )
+        if strict:
+            raise StorageError(message) from None
+        log.warning("kernelcache: %s; FlashInfer builds are not counted", message)
+        return None
+
+
+def aot_modules_dir(files: Path) -> Path | None:
+    """The generation's prebuilt modules (``files/flashinfer/aot``), when it holds any: then
+    FlashInfer can run with JIT disabled (a warm JIT workspace is not enough for that, since
+    ``FLASHINFER_DISABLE_JIT`` refuses it too)."""
+    aot = files / SUBDIR / AOT_SUBDIR
+    return aot if aot.is_dir() and any(aot.iterdir()) else None
+
+
+class FlashInfer(Toolchain):
+    def serving_env(self, serving: Serving, files: Path) -> dict[str, str]:
+        strict = serving.config.strict and aot_modules_dir(files) is not None
+        return serving_env(
+            files / SUBDIR, None, strict=strict, arch_list=recorded_arch_list(serving.manifest)
+        )
+
+    def observe(self, serving: Serving) -> None:
+        config = serving.config
+        aot = aot_modules_dir(serving.files) if serving.files is not None else None
+        if aot is not None:
+            when_imported("flashinfer.jit.env", lambda _: use_aot_dir(aot))
+        build_log = config.flashinfer_build_log
+        if build_log is None and importlib.util.find_spec("flashinfer") is not None:
+            build_log = default_build_log(config.strict)
+            if build_log is not None:
+                serving.set_default("FLASHINFER_JIT_BUILD_LOG", str(build_log))
+        if build_log is not None:
+            BuildLogTail(build_log, config.flashinfer_min_build_seconds).start(config.poll_seconds)
+
+
+TOOLCHAIN = FlashInfer(
+    name="flashinfer",
+    cache_env={"FLASHINFER_WORKSPACE_BASE": SUBDIR},
+    tuning_prefixes=(f"{SUBDIR}/{TACTICS_SUBDIR}/",),  # the autotuner's tactics per product
+    warmers=(FlashInferWarmer,),
+)

@@ -1,0 +1,92 @@
+"""The toolchains kernelcache drives, one module each, found here rather than listed.
+
+Every module of this package (``base`` aside) declares ``TOOLCHAIN``, a
+``base.Toolchain``: its cache variables and ``files/`` subdirectories, its warmers, its
+serving environment and observers, its tuning-scoped files. Adding a toolchain is adding a
+module; this registry, the warm (``kernelcache.build``), the init-container and the serving
+runtime (``kernelcache.runtime.install``) read the declarations from here.
+
+The modules are imported on first use, not with this package, and stay light at import
+(torch, Triton, the DSL and FlashInfer are imported inside their functions).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernelcache.errors import WarmError
+
+if TYPE_CHECKING:
+    from kernelcache.spec import GpuClass
+    from kernelcache.spec import Warmer as WarmerSpec
+    from kernelcache.toolchains.base import Toolchain, Warmer
+
+__all__ = [
+    "CACHE_ENV",
+    "cache_env",
+    "is_tuning_file",
+    "make_warmers",
+    "serving_settings",
+    "toolchains",
+    "warmer_class",
+]
+
+
+@functools.cache
+def toolchains() -> tuple[Toolchain, ...]:
+    """Every toolchain of this package, by name."""
+    found = []
+    for module_info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        toolchain = getattr(module, "TOOLCHAIN", None)
+        if toolchain is not None:
+            found.append(toolchain)
+    return tuple(sorted(found, key=lambda t: t.name))
+
+
+def cache_env() -> dict[str, str]:
+    """Cache variable -> subdirectory of files/ it is pointed at, for every toolchain."""
+    return {var: sub for t in toolchains() for var, sub in t.cache_env.items()}
+
+
+def serving_settings() -> dict[str, str]:
+    """Every toolchain's fixed serving settings (``Toolchain.serving_settings``)."""
+    return {name: value for t in toolchains() for name, value in t.serving_settings.items()}
+
+
+def is_tuning_file(path: str) -> bool:
+    """Whether ``path`` (as named under files/) holds tuning valid for one GPU product."""
+    return any(
+        path.endswith(t.tuning_suffixes) or path.startswith(t.tuning_prefixes) for t in toolchains()
+    )
+
+
+def warmer_class(kind: str) -> type[Warmer]:
+    """The warmer of a ``spec.warmers[].type``."""
+    for toolchain in toolchains():
+        for warmer in toolchain.warmers:
+            if warmer.type == kind:
+                return warmer
+    raise WarmError(f"{kind} warmer: no toolchain provides it")
+
+
+def make_warmers(
+    configs: list[WarmerSpec], spec_dir: Path | None = None, gpu_classes: Sequence[GpuClass] = ()
+) -> list[Warmer]:
+    """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names none)."""
+    return [
+        warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)])
+        for c in configs
+    ]
+
+
+def __getattr__(name: str) -> dict[str, str]:
+    # CACHE_ENV is the union of the toolchains' declarations, made when first read.
+    if name == "CACHE_ENV":
+        return cache_env()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

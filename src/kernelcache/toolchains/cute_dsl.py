@@ -1,0 +1,88 @@
+"""CuTe-DSL: explicit ``cute.compile`` calls through kernelcache's disk layer, and the DSL's own
+file cache for jit-decorated calls.
+
+Warm: the cute-dsl warmer imports the spec's entry points and lets them compile through the
+disk layer (``kernelcache.runtime.cute``) into ``files/cute-dsl``. It runs for any arch on a
+CPU-only machine: the build runs each arch in its own process with ``CUTE_DSL_ARCH`` set
+before the DSL is imported (the variable is read at import).
+
+Serving: ``cutlass.cute.compile`` is routed through the disk layer once the DSL is imported,
+which reports every hit and compile. Strict: a kernel missing from the layer is refused
+before compiling (``ColdCompileError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from kernelcache import progress
+from kernelcache.errors import WarmError
+from kernelcache.runtime import metrics
+from kernelcache.runtime.imports import when_imported
+from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, call_entry_points
+
+SUBDIR = "cute-dsl"  # kernelcache's disk layer for cute.compile
+JIT_SUBDIR = "cute-dsl-jit"  # the DSL's own file cache (jit-decorated calls)
+
+
+class CuteDslWarmer(Warmer):
+    type = "cute-dsl"
+    fills = (SUBDIR,)
+    counts_held = True
+
+    def produce(self, files_dir: Path, arch: str, report: WarmerReport) -> None:
+        from kernelcache.runtime import cute as cute_cache
+
+        cute_cache.install()
+        previous = cute_cache.on_event
+
+        def on_event(kind: str, name: str, seconds: float | None) -> None:
+            if kind == "compile" and seconds is not None:
+                progress.compiled(self.type, name, seconds)
+            if previous is not None:
+                previous(kind, name, seconds)
+
+        cute_cache.on_event = on_event
+        try:
+            with cute_cache.cache_dir(files_dir / SUBDIR) as cache:
+                report.kernels = call_entry_points(
+                    self.type, self.config.entry_points, self.spec_dir, self.config.workload, arch
+                )
+                if cache.stats.bypassed:
+                    raise WarmError(
+                        f"cute-dsl warmer: {cache.stats.bypassed} compile(s) could not be keyed "
+                        "and were not cached (see the warnings above)"
+                    )
+                report.compiled = cache.stats.misses
+        finally:
+            cute_cache.on_event = previous
+            cute_cache.uninstall()
+
+
+class CuteDsl(Toolchain):
+    def observe(self, serving: Serving) -> None:
+        when_imported("cutlass.cute", _install)
+
+
+def _install(_: ModuleType) -> None:
+    from kernelcache.runtime import cute as disk
+
+    disk.on_event = on_event
+    disk.install()
+    disk.dsl_stack()  # read the DSL's distributions now, not on the first request's kernel
+
+
+def on_event(kind: str, name: str, seconds: float | None) -> None:
+    """The disk layer's report of a hit or a compile, counted in the serving metrics."""
+    if kind == "hit":
+        metrics.record_hit("cute-dsl")
+    else:
+        metrics.record_compile("cute-dsl", name, seconds)
+
+
+TOOLCHAIN = CuteDsl(
+    name="cute-dsl",
+    cache_env={"KERNELCACHE_CUTE_DSL_DIR": SUBDIR, "CUTE_DSL_CACHE_DIR": JIT_SUBDIR},
+    warmers=(CuteDslWarmer,),
+)
