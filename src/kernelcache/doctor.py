@@ -22,28 +22,9 @@ from typing import Any
 from kernelcache import contract
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
-from kernelcache.toolchains import cache_env
+from kernelcache.toolchains import cache_env, toolchains
+from kernelcache.toolchains.base import Toolchain
 
-# Toolchain -> (distribution, module imported to prove it works). The warmer types name them.
-TOOLCHAINS: dict[str, tuple[str, str]] = {
-    "cute-dsl": ("nvidia-cutlass-dsl", "cutlass"),
-    "triton": ("triton", "triton"),
-    "torch-compile": ("torch", "torch"),
-    "flashinfer": ("flashinfer-python", "flashinfer"),
-    "b12x": ("flashinfer-python", "flashinfer"),
-    "vllm": ("vllm", "vllm"),
-    "sglang": ("sglang", "sglang"),
-}
-# A generation's files/<subdir> -> the toolchain that reads it.
-SUBDIR_TOOLCHAINS = {
-    "cute-dsl": "cute-dsl",
-    "triton": "triton",
-    "inductor": "torch-compile",
-    "torch-compile": "torch-compile",
-    "flashinfer": "flashinfer",
-    "vllm": "vllm",
-    "sglang": "sglang",
-}
 HOOK_FILE = "zz_kernelcache_runtime.pth"
 IMPORT_TIMEOUT_S = 300
 
@@ -103,11 +84,11 @@ def diagnose(
     (a spec's) names the toolchains that must import. ``need_arch``: no arch is a failure."""
     report = Report()
     seen_arch = _check_gpu(report, arch, need_arch)
-    toolchains = warmer_types or []
-    if manifest is not None:
-        subdirs = {f.path.split("/", 1)[0] for f in manifest.files}
-        toolchains += [SUBDIR_TOOLCHAINS[s] for s in sorted(subdirs) if s in SUBDIR_TOOLCHAINS]
-    _check_toolchains(report, list(dict.fromkeys(toolchains)) or list(TOOLCHAINS), bool(toolchains))
+    needed = _needed_toolchains(warmer_types or [], manifest)
+    everyone: dict[str, tuple[str, str] | None] = {
+        t.label: t.requires for t in toolchains() if t.requires is not None
+    }
+    _check_toolchains(report, needed or everyone, bool(needed))
     _check_cache_env(report, manifest is not None)
     _check_hook(report)
     if manifest is not None:
@@ -128,14 +109,32 @@ def _check_gpu(report: Report, arch: str | None, need_arch: bool) -> str | None:
     return seen
 
 
-def _check_toolchains(report: Report, toolchains: list[str], required: bool) -> None:
-    modules = sorted({TOOLCHAINS[t][1] for t in toolchains if t in TOOLCHAINS})
-    failures = _import(modules)
-    for toolchain in toolchains:
-        if toolchain not in TOOLCHAINS:
+def _needed_toolchains(warmer_types: list[str], manifest: Any) -> dict[str, tuple[str, str] | None]:
+    """What the spec's warmers and the generation's files/ subdirectories need to import,
+    by the name the check is shown under (a warmer type; a toolchain without one: its name)."""
+    needed = {kind: _owner(kind).requires for kind in warmer_types}
+    subdirs = {f.path.split("/", 1)[0] for f in manifest.files} if manifest is not None else set()
+    for sub in sorted(subdirs):
+        owner = next((t for t in toolchains() if sub in t.cache_env.values()), None)
+        owner = owner or next((t for t in toolchains() if sub in t.fills()), None)
+        if owner is not None and owner.requires is not None:
+            needed.setdefault(owner.label, owner.requires)
+    return needed
+
+
+def _owner(kind: str) -> Toolchain:
+    return next(t for t in toolchains() if any(w.type == kind for w in t.warmers))
+
+
+def _check_toolchains(
+    report: Report, needed: dict[str, tuple[str, str] | None], required: bool
+) -> None:
+    failures = _import(sorted({r[1] for r in needed.values() if r is not None}))
+    for toolchain, requires in needed.items():
+        if requires is None:
             report.add(f"toolchain/{toolchain}", "ok", "no toolchain to import for this warmer")
             continue
-        dist, module = TOOLCHAINS[toolchain]
+        dist, module = requires
         try:
             version = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -228,6 +228,7 @@ def _refuse_cute_dsl_builds(module: ModuleType) -> None:
 TOOLCHAIN = B12x(
     name="b12x",
     warmers=(B12xWarmer,),
+    requires=("flashinfer-python", "flashinfer"),
 )
 
 

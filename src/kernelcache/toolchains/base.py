@@ -68,6 +68,18 @@ class Toolchain:
     tuning_prefixes: tuple[str, ...] = ()
     # The warmer types this toolchain provides (``spec.warmers[].type``).
     warmers: tuple[type[Warmer], ...] = ()
+    # (distribution, module): what must install and import for its warmers and serving
+    # (``kernelcache doctor`` checks it); None: nothing of its own.
+    requires: tuple[str, str] | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name the toolchain: its (first) warmer type, else its name."""
+        return self.warmers[0].type if self.warmers else self.name
+
+    def fills(self) -> set[str]:
+        """The files/ subdirectories the toolchain's cache variables and warmers fill."""
+        return {*self.cache_env.values(), *(sub for w in self.warmers for sub in w.fills)}
 
     def serving_env(self, serving: Serving, files: Path) -> dict[str, str]:
         """The variables a serving process sets (unless already set) to use ``files``."""

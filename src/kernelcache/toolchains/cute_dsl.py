@@ -85,4 +85,5 @@ TOOLCHAIN = CuteDsl(
     name="cute-dsl",
     cache_env={"KERNELCACHE_CUTE_DSL_DIR": SUBDIR, "CUTE_DSL_CACHE_DIR": JIT_SUBDIR},
     warmers=(CuteDslWarmer,),
+    requires=("nvidia-cutlass-dsl", "cutlass"),
 )

@@ -544,4 +544,5 @@ TOOLCHAIN = FlashInfer(
     cache_env={"FLASHINFER_WORKSPACE_BASE": SUBDIR},
     tuning_prefixes=(f"{SUBDIR}/{TACTICS_SUBDIR}/",),  # the autotuner's tactics per product
     warmers=(FlashInferWarmer,),
+    requires=("flashinfer-python", "flashinfer"),
 )

@@ -408,6 +408,7 @@ TOOLCHAIN = Inductor(
     },
     tuning_suffixes=(".best_config",),  # inductor's tuned launch configs
     warmers=(TorchCompileWarmer,),
+    requires=("torch", "torch"),
 )
 
 

@@ -8,4 +8,6 @@ from __future__ import annotations
 
 from kernelcache.toolchains.base import Toolchain
 
-TOOLCHAIN = Toolchain(name="sglang", cache_env={"SGLANG_CACHE_DIR": "sglang"})
+TOOLCHAIN = Toolchain(
+    name="sglang", cache_env={"SGLANG_CACHE_DIR": "sglang"}, requires=("sglang", "sglang")
+)

@@ -394,4 +394,5 @@ TOOLCHAIN = Triton(
     },
     tuning_suffixes=(AUTOTUNE_SUFFIX,),  # the config each autotuned kernel chose
     warmers=(TritonWarmer,),
+    requires=("triton", "triton"),
 )

@@ -622,6 +622,7 @@ TOOLCHAIN = Vllm(
     name="vllm",
     cache_env={ENV: SUBDIR},
     warmers=(VllmWarmer,),
+    requires=("vllm", "vllm"),
 )
 
 
