@@ -19,6 +19,7 @@ from types import ModuleType
 from kernelcache import progress
 from kernelcache.errors import WarmError
 from kernelcache.runtime import metrics
+from kernelcache.runtime.cute import CACHE_DIR_ENV
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, call_entry_points
 
@@ -83,7 +84,7 @@ def on_event(kind: str, name: str, seconds: float | None) -> None:
 
 TOOLCHAIN = CuteDsl(
     name="cute-dsl",
-    cache_env={"KERNELCACHE_CUTE_DSL_DIR": SUBDIR, "CUTE_DSL_CACHE_DIR": JIT_SUBDIR},
+    cache_env={CACHE_DIR_ENV: SUBDIR, "CUTE_DSL_CACHE_DIR": JIT_SUBDIR},
     warmers=(CuteDslWarmer,),
     requires=("nvidia-cutlass-dsl", "cutlass"),
 )
