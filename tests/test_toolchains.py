@@ -157,9 +157,9 @@ def test_a_short_cute_dsl_line_in_the_build_log_is_a_compile_in_serving_as_in_th
     log = tmp_path / "builds.jsonl"
     log.write_text("")
     tail = BuildLogTail(log, min_seconds=0.5)
-    record = {"toolchain": "cute_dsl", "name": "kc_test_moe/k0", "seconds": 0.3,
+    record = {"toolchain": "cute_dsl", "name": "toolchains_test_moe/k0", "seconds": 0.3,
               "pid": os.getpid(), "time": 1.0}  # fmt: skip
     log.write_text(json.dumps(record) + "\n")
-    before = metrics.cold_compiles().get(("flashinfer", "kc_test_moe/k0"), 0)
+    before = metrics.cold_compiles().get(("flashinfer", "toolchains_test_moe/k0"), 0)
     tail.poll()
-    assert metrics.cold_compiles().get(("flashinfer", "kc_test_moe/k0"), 0) == before + 1
+    assert metrics.cold_compiles().get(("flashinfer", "toolchains_test_moe/k0"), 0) == before + 1
