@@ -237,7 +237,7 @@ STARTED_AT = Variable[float | None](
     "when the measured process started (seconds since the epoch), for start-up timings",
     _count(float, 0),
 )
-# Given to a command warmer's process (``warm.command``), never read by kernelcache itself;
+# Given to a command warmer's process (``toolchains.command``), never read by kernelcache itself;
 # the arch is ``ARCH``'s name.
 WARM_FILES = Variable[str | None](
     "KERNELCACHE_FILES", None, "the generation's files/, for a command warmer", _text
