@@ -25,7 +25,6 @@ def lint_imports(src: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_tree_keeps_every_layer() -> None:
     proc = lint_imports(REPO / "src", REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " broken" not in proc.stdout.lower(), proc.stdout
 
 
 def test_an_import_across_a_layer_fails_naming_the_contract(tmp_path: Path) -> None:

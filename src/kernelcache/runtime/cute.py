@@ -45,7 +45,7 @@ from kernelcache.errors import ColdCompileError
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "KERNELCACHE_CUTE_DSL_DIR"
+CACHE_DIR_ENV = contract.CUTE_DSL_DIR.name
 KEY_FORMAT = "kernelcache.dev/cute-dsl/v2"  # v2: sources of the imported modules
 # Fallback only: CUTE_DSL_* settings that say where to write or what to log.
 _NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
