@@ -13,7 +13,7 @@ import difflib
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
@@ -215,7 +215,10 @@ class GpuClass(BaseModel):
     )
 
 
-WARMER_TYPES = ("cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command")
+# The warmer types of the API, one per value of ``spec.warmers[].type`` (the CRD enumerates
+# them); each is provided by a toolchain module (``kernelcache.toolchains``; a test ties the two).
+WarmerType = Literal["cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command"]
+WARMER_TYPES: tuple[str, ...] = get_args(WarmerType)
 
 
 class B12xWorkload(BaseModel):
@@ -363,9 +366,7 @@ class Warmer(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    type: Literal[
-        "cute-dsl", "triton", "torch-compile", "flashinfer", "b12x", "vllm", "command"
-    ] = Field(
+    type: WarmerType = Field(
         description="The toolchain driven; docs/warmers/<type>.md shows each with a worked spec."
     )
     entry_points: list[EntryPoint] = Field(
