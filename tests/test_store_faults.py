@@ -405,6 +405,7 @@ def test_a_warm_process_killed_alone_does_not_block_the_next_writer(tmp_path: Pa
     store, key = Store(tmp_path / "store"), "default/kc/sm_90a"
     started = tmp_path / "warming"
     proc = start_cli("warm", spec, store, "orphaned", started)
+    orphan = None
     try:
         wait_until_warming(proc, started)
         orphan = int(started.read_text())
@@ -416,9 +417,16 @@ def test_a_warm_process_killed_alone_does_not_block_the_next_writer(tmp_path: Pa
 
         assert assert_every_generation_verifies(store, key, "after the kill") == generation
     finally:
+        # The command warmer runs in a session of its own (so that a deadline kills all it
+        # started): the CLI's process group does not hold it, so its own group is killed.
+        # Left alone it would write until the disk is full.
         with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the orphan kept the process group
+            os.killpg(proc.pid, signal.SIGKILL)
+        if orphan is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(orphan, signal.SIGKILL)
         proc.communicate(timeout=60)
+    assert orphan is not None
     wait_until_dead(orphan)
     assert_next_writer_cleans_up(store, key)
 
