@@ -7,7 +7,7 @@ STORE ?= demo-store
 SPEC ?= examples/kernelcache.yaml
 SERVE_DIR ?= $(STORE)-serve
 
-.PHONY: demo test lint crds bench clean
+.PHONY: demo test test-quick lint crds bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,9 +42,19 @@ demo: $(VENV)/.installed
 # pytest exits 5 when it collected no tests: that is a failure, not a pass. The system
 # programs the tests drive (promtool, prometheus, g++) are installed when missing, as root;
 # under CI a missing one fails the run instead of skipping its tests.
+# The tests run side by side in PYTEST_WORKERS processes (pytest-xdist): most of their time is
+# spent waiting on the processes they start, so more workers than cores pay. Each file stays on
+# one worker, so a module's fixtures are built once. test-quick leaves out the `slow` ones.
+PYTEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed-test
 	bash scripts/install-system-tools.sh
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PYTEST); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-quick: $(VENV)/.installed-test
+	bash scripts/install-system-tools.sh
+	$(PYTEST) -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench examples

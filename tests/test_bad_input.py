@@ -87,6 +87,7 @@ def test_timeout_ends_an_entry_point_and_the_processes_it_started(tmp_path):
     assert Store(tmp_path / "s").current(KEY) is None
 
 
+@pytest.mark.slow
 def test_timeout_holds_for_an_entry_point_that_ignores_the_alarm(tmp_path):
     spec = entry_point_spec(
         tmp_path,

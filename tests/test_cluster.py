@@ -33,7 +33,10 @@ import yaml
 
 from tests import cluster as harness
 
-pytestmark = pytest.mark.skipif(harness.missing() is not None, reason=str(harness.missing()))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(harness.missing() is not None, reason=str(harness.missing())),
+]
 
 from tests.cluster.images import Image, build_image  # noqa: E402
 from tests.conftest import REPO, wait_until  # noqa: E402

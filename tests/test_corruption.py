@@ -64,6 +64,7 @@ from kernelcache.toolchains import CACHE_ENV
 from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache
 
 pytestmark = [
+    pytest.mark.slow,
     needs_cute,
     *(
         pytest.mark.skipif(importlib.util.find_spec(m) is None, reason=f"{m} is not installed")

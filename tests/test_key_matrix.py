@@ -48,7 +48,7 @@ from tests.conftest import EXAMPLES, REPO, needs_cute
 from tests.helpers.wheels import build_wheel, pip_install
 from tests.test_settings import dsl_declared_settings
 
-pytestmark = needs_cute
+pytestmark = [pytest.mark.slow, needs_cute]
 
 WORKER = REPO / "tests" / "helpers" / "key_worker.py"
 KERNEL_MODULE = "cute_gemm"

@@ -51,6 +51,8 @@ from kernelcache.spec import parse_kernelcache
 from tests.conftest import kernelcache_doc, wait_until
 from tests.operator_process import ApiHarness, api_harness, finish_job, result_generation
 
+pytestmark = pytest.mark.slow
+
 SEED = int(os.environ.get("KERNELCACHE_CHAOS_SEED", "20261130"))
 NS = "chaos"
 ARCHES = ("sm_90a", "sm_120a")

@@ -45,7 +45,7 @@ DASHBOARD = REPO / "prometheus" / "kernelcache-dashboard.json"
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
 DEADLINE_S = 60
 
-pytestmark = needs_cute
+pytestmark = [pytest.mark.slow, needs_cute]
 
 
 @contextmanager

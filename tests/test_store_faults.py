@@ -210,6 +210,7 @@ def kill_publishers(
     return tally
 
 
+@pytest.mark.slow
 def test_sigkill_before_seeded_steps_never_exposes_a_partial_generation(
     publishers: tuple[Store, Publishers],
 ) -> None:
@@ -222,6 +223,7 @@ def test_sigkill_before_seeded_steps_never_exposes_a_partial_generation(
     assert len(tally.currents) >= STEP_KILLS // 10, tally
 
 
+@pytest.mark.slow
 def test_sigkill_after_seeded_delays_never_exposes_a_partial_generation(
     publishers: tuple[Store, Publishers],
 ) -> None:
@@ -233,6 +235,7 @@ def test_sigkill_after_seeded_delays_never_exposes_a_partial_generation(
     assert len(tally.currents) >= TIMED_KILLS // 10, tally
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_step_of_a_repoint_leaves_the_previous_current(tmp_path: Path) -> None:
     """Making a kept generation current again (a reverted spec), killed before each of its
     steps in turn until one run finishes: until the CURRENT swap, CURRENT still names the
@@ -313,6 +316,7 @@ def wait_until_warming(proc: subprocess.Popen, started: Path) -> float:
     return time.monotonic()
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_warm_and_build_commands_keeps_a_verified_current(tmp_path: Path) -> None:
     """SIGKILL to the whole process group of ``kernelcache warm`` or ``kernelcache build``
     (as a Job's container is killed, warmer included) at a seeded random moment from the

@@ -27,7 +27,7 @@ from kernelcache.spec import B12xWorkload
 
 from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache, subprocess_env
 
-pytestmark = needs_cute
+pytestmark = [pytest.mark.slow, needs_cute]
 
 flashinfer_spec = importlib.util.find_spec("flashinfer")
 if flashinfer_spec is None:

@@ -406,6 +406,7 @@ def link_env(tmp_path: Path) -> dict[str, str]:
 
 @needs_flashinfer
 @pytest.mark.skipif(_cuda_home() is None, reason="no CUDA toolkit (nvcc, lib64), ninja or gcc")
+@pytest.mark.slow
 def test_build_compiles_a_decode_module_for_sm90a_without_a_gpu_and_lays_it_out_for_aot(
     tmp_path,
 ):

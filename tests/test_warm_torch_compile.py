@@ -117,6 +117,7 @@ def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tupl
     return report, hits, misses
 
 
+@pytest.mark.slow
 def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothing(tmp_path):
     report, served, cold = build_and_serve(tmp_path, CPU_WORKLOAD, "sm_90a")
     assert report["compiled"] == 1
@@ -151,6 +152,7 @@ def serve_from_generation(
     return run.returncode, json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
+@pytest.mark.slow
 def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob(tmp_path):
     """The runtime serves inductor from the materialized ``files/inductor`` and leaves the
     Mega-Cache alone (loading it would put the first warm process's autotune results back
@@ -212,6 +214,7 @@ def test_a_copy_of_a_max_autotune_generation_serves_without_compiling_or_tuning(
     assert counters["fxgraph_cache_hit"] >= 1 and counters["runtime_compiles"] == 0
 
 
+@pytest.mark.slow
 def test_replays_stop_after_the_limit_and_say_serving_may_still_compile(tmp_path):
     """A model that meets another shape in every process never settles: the warm replays it
     MAX_REPLAYS times, reports each replay's compiles and warns, instead of looping."""
