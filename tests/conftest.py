@@ -6,27 +6,60 @@ CuTe-DSL compiles and exports for any arch on a CPU-only machine, so those tests
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jsonschema
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+SCHEMAS = REPO / "docs" / "cli-schemas"
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, str(EXAMPLES))
 
 HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
+
+
+# Tests that put a start-up hook into the interpreter's own site-packages, which every child
+# Python of every worker reads: they run one at a time.
+SITE_PACKAGES_FIXTURES = {"hook_installed", "pth_hook"}
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The pytest-xdist group a test must share with others (``--dist loadgroup``): its file's,
+    when it uses a fixture built once per module (built once then, not once per worker)."""
+    if SITE_PACKAGES_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "site-packages"
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    if any(defs and defs[-1].scope in ("module", "class", "package") for defs in definitions):
+        return item.path.name
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first, so that under pytest-xdist the longest start at once instead of
+    running alone at the end; tests that share a module's set-up or global state grouped."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def system_tool(name: str) -> str:
@@ -66,6 +99,20 @@ def run_kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subproce
     )
 
 
+def serve_python(
+    script: Path, *args: str, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
+    """A serving process (an example or a helper script) in a fresh Python, as a pod starts
+    one: ``subprocess_env(**env)``, output captured as text."""
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     """The failure's only stderr line; fails the test on a traceback or a multi-line error."""
     lines = proc.stderr.strip().splitlines()
@@ -100,6 +147,132 @@ def write_warmer_spec(
     spec = tmp_path / "kc.yaml"
     spec.write_text(yaml.safe_dump(kernelcache_doc(name, arches=(arch,), warmers=[warmer])))
     return spec
+
+
+# The example spec's CuTe-DSL workload, cut to one size, dtype and tile: each build compiles
+# little. DEMO_WORKLOAD is the serving example's: both dtypes, both tiles.
+SMALL_WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float16"], "tiles": [[32, 32]]}
+DEMO_WORKLOAD = {
+    "sizes": [[128, 256]],
+    "dtypes": ["float32", "float16"],
+    "tiles": [[32, 32], [64, 64]],
+}
+
+
+def write_spec(tmp_path: Path, **changes) -> Path:
+    """The example spec with a small workload, next to a copy of the example kernels."""
+    doc = yaml.safe_load((EXAMPLES / "kernelcache.yaml").read_text())
+    doc["spec"]["warmers"][0]["workload"] = SMALL_WORKLOAD
+    for path, value in changes.items():
+        target = doc["spec"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            target = target[int(p)] if p.isdigit() else target[p]
+        target[leaf] = value
+    spec = tmp_path / "kc.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    for example in ("demo_kernels.py", "demo_serve.py"):
+        if not (tmp_path / example).exists():
+            (tmp_path / example).write_text((EXAMPLES / example).read_text())
+    return spec
+
+
+def checked(command: str, stdout: str) -> Any:
+    """The JSON a command printed, validated against its schema."""
+    payload = json.loads(stdout)
+    schema = json.loads((SCHEMAS / f"{command}.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(payload, schema, cls=jsonschema.Draft202012Validator)
+    return payload
+
+
+def dsl_declared_settings() -> dict[str, bool]:
+    """``CUTE_DSL_<X>`` -> whether it affects compile, as the imported DSL's settings manager
+    says (each setting read from a variable; computed ones have none)."""
+    probe = (
+        "import json; from cutlass.cutlass_dsl.cutlass import CuTeDSLEnvironmentManager as M\n"
+        "print(json.dumps({e.source: e.affects_compile for e in M._ENV_VAR_SPEC"
+        " if isinstance(e.source, str)}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {f"CUTE_DSL_{suffix}": marked for suffix, marked in json.loads(proc.stdout).items()}
+
+
+def shared_dir(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder that ``make`` fills once per test run, by whichever worker asks first.
+
+    Under pytest-xdist each worker has a basetemp of its own below the run's; the folder is in
+    the run's, and a file lock makes the other workers wait until it is complete. Tests only
+    read it (a test that changes what it holds copies it first).
+    """
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with (root / "shared" / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+@dataclass(frozen=True)
+class DemoBuild:
+    """The example spec (``write_spec``: the small workload, the kernels beside it) built for
+    one arch: its folder, spec, store and the key's current generation."""
+
+    dir: Path
+    spec: Path
+    store: Path
+    key: str
+
+    @property
+    def generation(self) -> Path:
+        from kernelcache.store import Store
+
+        current = Store(self.store).current(self.key)
+        assert current is not None, f"{self.key}: nothing published"
+        return current
+
+
+@pytest.fixture(scope="session")
+def demo_build(tmp_path_factory: pytest.TempPathFactory) -> DemoBuild:
+    """The example built for sm_90a once per run, shared by every test that only reads it (the
+    store is content-addressed: the same build anywhere else would be the same generation)."""
+
+    def build(folder: Path) -> None:
+        spec = write_spec(folder)
+        args = ("build", "-f", str(spec), "--store", str(folder / "store"), "--arch", "sm_90a")
+        proc = run_kernelcache(*args)
+        assert proc.returncode == 0, proc.stderr
+
+    folder = shared_dir(tmp_path_factory, "demo-sm_90a", build)
+    return DemoBuild(folder, folder / "kc.yaml", folder / "store", "default/demo/sm_90a")
+
+
+def publish_files(
+    store: Any,
+    key: str,
+    files: dict[str, bytes],
+    stamp: dict[str, Any],
+    report: Any = None,
+    **kw: Any,
+) -> Any:
+    """Publish ``files`` (path under ``files/`` -> bytes) as a new generation of ``key``
+    through the store's own writer; ``kw`` goes to ``Writer.publish``. Returns its manifest."""
+    with store.writer(key) as writer:
+        staging = writer.staging()
+        for rel, data in files.items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / rel).write_bytes(data)
+        return writer.publish(staging, stamp, {} if report is None else report, **kw)
 
 
 T = TypeVar("T")

@@ -16,30 +16,17 @@ import yaml
 
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store, verify
-from tests.conftest import EXAMPLES, needs_cute, one_line_error, subprocess_env
+from tests.conftest import (
+    EXAMPLES,
+    SMALL_WORKLOAD,
+    needs_cute,
+    one_line_error,
+    subprocess_env,
+    write_spec,
+)
 from tests.conftest import run_kernelcache as kernelcache
 
 pytestmark = needs_cute
-
-SMALL_WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float16"], "tiles": [[32, 32]]}
-
-
-def write_spec(tmp_path: Path, **changes) -> Path:
-    """The example spec with a small workload, next to a copy of the example kernels."""
-    doc = yaml.safe_load((EXAMPLES / "kernelcache.yaml").read_text())
-    doc["spec"]["warmers"][0]["workload"] = SMALL_WORKLOAD
-    for path, value in changes.items():
-        target = doc["spec"]
-        *parents, leaf = path.split(".")
-        for p in parents:
-            target = target[int(p)] if p.isdigit() else target[p]
-        target[leaf] = value
-    spec = tmp_path / "kc.yaml"
-    spec.write_text(yaml.safe_dump(doc))
-    for example in ("demo_kernels.py", "demo_serve.py"):
-        if not (tmp_path / example).exists():
-            (tmp_path / example).write_text((EXAMPLES / example).read_text())
-    return spec
 
 
 def test_build_publishes_every_arch_and_verifies(tmp_path):

@@ -9,10 +9,8 @@ the table of what the operator's code does.
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +21,25 @@ from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.manifests import peering_crds
 from kernelcache.crd import crd_manifest, crd_yaml
 from tests.conftest import system_tool
+from tests.helpers.chart import (
+    CHART,
+    HELM,
+    NAMESPACE,
+    REPO,
+    VALUES,
+    granted_rules,
+    helm,
+    render,
+    render_text,
+    values_args,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "charts" / "kernelcache"
-HELM = REPO / ".tools" / "bin" / "helm"
 KUBERNETES_VERSION = "1.35.0"
-NAMESPACE = "kernelcache-system"
 
 pytestmark = pytest.mark.skipif(
     not HELM.exists(), reason="helm is not installed: run scripts/install-kube-tools.sh"
 )
 
-# Value sets rendered by the tests, by name.
-VALUES: dict[str, dict[str, Any]] = {
-    "defaults": {},
-    "cert-manager": {"certManager": {"enabled": True}},
-    "prometheus-operator": {
-        "prometheus": {"servicemonitor": {"enabled": True}, "prometheusrule": {"enabled": True}}
-    },
-    "prometheus-off": {"prometheus": {"enabled": False}},
-    "grafana-dashboard": {"prometheus": {"grafanadashboard": {"enabled": True}}},
-    "crds-off": {"crds": {"enabled": False}},
-    "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
-}
 
 CUSTOM_KINDS = {
     # kind: the group its apiVersion must be in (no schema for these in kubernetes-validate)
@@ -91,35 +85,6 @@ USED: list[tuple[str, str, set[str], str]] = [
 ]
 
 
-def _helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(HELM), *args], capture_output=True, text=True, timeout=120, check=False
-    )
-
-
-def _values_args(values: dict[str, Any], tmp: Path) -> list[str]:
-    path = tmp / "values.yaml"
-    path.write_text(yaml.safe_dump(values), encoding="utf-8")
-    return ["-f", str(path)]
-
-
-@functools.cache
-def _render_text(name: str, extra: str = "{}") -> subprocess.CompletedProcess[str]:
-    """``helm template`` of value set ``name`` with the JSON ``extra`` merged at the top level;
-    cached, since most tests read the same few renders."""
-    values = {**VALUES[name], **json.loads(extra)}
-    with tempfile.TemporaryDirectory() as tmp:
-        args = _values_args(values, Path(tmp))
-        return _helm("template", "kc", str(CHART), "--namespace", NAMESPACE, *args)
-
-
-def render(name: str, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The manifests of value set ``name`` (plus ``extra`` at the top level); it must render."""
-    done = _render_text(name, json.dumps(extra or {}))
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
 def kinds(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(doc["kind"] for doc in docs)
 
@@ -140,7 +105,7 @@ def env_of(docs: list[dict[str, Any]]) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_helm_lint_strict(name: str, tmp_path: Path) -> None:
-    done = _helm("lint", "--strict", str(CHART), *_values_args(VALUES[name], tmp_path))
+    done = helm("lint", "--strict", str(CHART), *values_args(VALUES[name], tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -289,7 +254,7 @@ def test_namespaced_binds_only_in_the_watched_namespaces() -> None:
 def test_contradictory_or_unknown_values_fail_the_render(
     values: dict[str, Any], message: str
 ) -> None:
-    done = _render_text("defaults", json.dumps(values))
+    done = render_text("defaults", json.dumps(values))
     assert done.returncode != 0
     assert message in done.stderr
 
@@ -378,21 +343,9 @@ def test_example_kernelcaches_match_the_crd_schema() -> None:
 # --- RBAC -------------------------------------------------------------------------------------
 
 
-def _granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    granted = set()
-    for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role")):
-        for rule in role["rules"]:
-            assert not set(rule) - {"apiGroups", "resources", "verbs"}, rule
-            for group in rule["apiGroups"]:
-                for resource in rule["resources"]:
-                    for verb in rule["verbs"]:
-                        granted.add((group, resource, verb))
-    return granted
-
-
 @pytest.mark.parametrize("name", ["defaults", "namespaced"])
 def test_rbac_grants_exactly_what_the_code_uses(name: str) -> None:
-    granted = _granted(render(name))
+    granted = granted_rules(render(name))
     mode = "namespaced" if name == "namespaced" else "cluster"
     wildcards = {g for g in granted if "*" in g}
     assert not wildcards, f"wildcards: {sorted(wildcards)}"
@@ -432,5 +385,5 @@ def test_grafana_dashboard_configmap_carries_the_tested_dashboard() -> None:
 def test_no_grafana_dashboard_unless_asked() -> None:
     names = [d["metadata"]["name"] for d in render("defaults") if d["kind"] == "ConfigMap"]
     assert "kc-kernelcache-dashboard" not in names
-    done = _render_text("defaults", json.dumps({"prometheus": {"grafanadashboard": {"on": True}}}))
+    done = render_text("defaults", json.dumps({"prometheus": {"grafanadashboard": {"on": True}}}))
     assert done.returncode != 0 and "additional properties 'on' not allowed" in done.stderr

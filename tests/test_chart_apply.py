@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     reason="kubectl or helm is not installed: run scripts/install-kube-tools.sh",
 )
 
-from tests.test_operator_integration import Cluster, emulated_cluster  # noqa: E402
+from tests.helpers.operator_cluster import Cluster, emulated_cluster  # noqa: E402
 
 APPLY = ("apply", "--server-side", "--validate=false")
 

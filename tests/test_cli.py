@@ -8,23 +8,28 @@ command warmer that prints): every read-only test reuses it.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
 from typing import Any
 
-import jsonschema
 import pytest
 import yaml
 
 from kernelcache import __version__
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store
-from tests.conftest import REPO, needs_cute, run_kernelcache, subprocess_env, wait_until
-from tests.test_build import SMALL_WORKLOAD, write_spec
+from tests.conftest import (
+    REPO,
+    SMALL_WORKLOAD,
+    checked,
+    needs_cute,
+    run_kernelcache,
+    subprocess_env,
+    wait_until,
+    write_spec,
+)
 
-SCHEMAS = REPO / "docs" / "cli-schemas"
 # A command warmer that prints, then waits for the test's go-ahead file: its line must reach
 # build's stderr while the warm is still running, not when it ends.
 ECHO_WARMER = (
@@ -36,15 +41,6 @@ ECHO_WARMER = (
     "[time.sleep(0.05) for _ in range(2400) if not go.exists()]; "
     "pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_bytes(b'x' * 10)"
 )
-
-
-def checked(command: str, stdout: str) -> Any:
-    """The JSON a command printed, validated against its schema."""
-    payload = json.loads(stdout)
-    schema = json.loads((SCHEMAS / f"{command}.json").read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    jsonschema.validate(payload, schema, cls=jsonschema.Draft202012Validator)
-    return payload
 
 
 def popen_kernelcache(*args: str, **env: str) -> subprocess.Popen:

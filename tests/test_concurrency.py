@@ -25,9 +25,9 @@ import pytest
 from kernelcache.runtime import metrics
 from kernelcache.store import Store
 from kernelcache.toolchains import cute_dsl
+from tests.conftest import DEMO_WORKLOAD as WORKLOAD
 from tests.conftest import needs_cute, subprocess_env, write_warmer_spec
-from tests.test_runtime_cute import WORKLOAD
-from tests.test_store_faults import (
+from tests.helpers.stores import (
     assert_every_generation_verifies,
     start_worker,
     transient,

@@ -17,10 +17,15 @@ import pytest
 
 from kernelcache.doctor import HOOK_FILE
 from kernelcache.errors import ExitCode
-from kernelcache.store import Store
-from tests.conftest import REPO, needs_cute, one_line_error, run_kernelcache, subprocess_env
-from tests.test_build import write_spec
-from tests.test_cli import checked
+from tests.conftest import (
+    REPO,
+    DemoBuild,
+    checked,
+    needs_cute,
+    one_line_error,
+    run_kernelcache,
+    subprocess_env,
+)
 
 pytestmark = needs_cute
 
@@ -40,14 +45,8 @@ sys.meta_path.insert(0, BrokenCutlass())
 
 
 @pytest.fixture(scope="module")
-def generation(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("doctor")
-    spec = write_spec(tmp)
-    proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp / "s"), "--arch", "sm_90a")
-    assert proc.returncode == 0, proc.stderr
-    current = Store(tmp / "s").current("default/demo/sm_90a")
-    assert current is not None
-    return current
+def generation(demo_build: DemoBuild) -> Path:
+    return demo_build.generation
 
 
 @pytest.fixture
@@ -70,7 +69,7 @@ def rows(payload: dict) -> dict[str, dict]:
 
 
 def test_doctor_in_the_environment_the_generation_was_built_in(generation, hook_installed):
-    spec_dir = generation.parents[4]  # <tmp>/s/default/demo/sm_90a/<generation>
+    spec_dir = generation.parents[4]  # <build>/store/default/demo/sm_90a/<generation>
     env = {
         "PYTHONPATH": f"{spec_dir}:{subprocess_env()['PYTHONPATH']}",
         "KERNELCACHE_RUNTIME": "1",
@@ -144,7 +143,7 @@ def test_doctor_without_a_gpu_or_arch_fails_on_the_arch(generation):
 
 def test_doctor_against_a_spec_and_its_store(generation):
     spec_dir = generation.parents[4]
-    spec, store = spec_dir / "kc.yaml", spec_dir / "s"
+    spec, store = spec_dir / "kc.yaml", spec_dir / "store"
     env = {"PYTHONPATH": f"{spec_dir}:{subprocess_env()['PYTHONPATH']}"}
     args = ("doctor", "-f", str(spec), "--store", str(store), "--json")
     proc = run_kernelcache(*args, "--arch", "sm_90a", **env)

@@ -32,60 +32,27 @@ from kernelcache.store import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
-    Store,
     generate_keypair,
 )
 from tests.conftest import subprocess_env
+from tests.helpers.generations import (
+    ARCH,
+    COMPILED,
+    IMAGE,
+    KEY,
+    NAME,
+    NS,
+    PRODUCT,
+    TUNING,
+    make_stamp,
+    publish,
+)
 
-NS, NAME, ARCH = "ns", "demo", "sm_90a"
-KEY = f"{NS}/{NAME}/{ARCH}"
-PRODUCT = "NVIDIA H200"  # as nvidia-smi names it, and the build stamped it
-IMAGE = "registry.example/vllm:0.9.0@sha256:" + "ab" * 32
 H200_LABELS = {
     "nvidia.com/gpu.product": "NVIDIA-H200",
     "nvidia.com/gpu.compute.major": "9",
     "nvidia.com/gpu.compute.minor": "0",
 }
-
-COMPILED = {
-    "cute-dsl/gemm_128x256.o": b"\x7fELF" + bytes(range(256)) * 40,
-    "cute-dsl/gemm_128x256.json": b'{"prefix": "gemm"}',
-    "triton/k3x/matmul.cubin": b"\x7fELF" + bytes(3000),
-}
-TUNING = {
-    "triton/k3x/matmul.autotune.json": b'{"BLOCK_M": 128}',
-    "flashinfer/tactics/nvidia-h200.json": b'{"_metadata": {"gpu": "NVIDIA H200"}}',
-}
-
-
-def make_stamp(**factor_changes: str) -> dict:
-    stamp = stamps.collect(
-        arch=ARCH,
-        gpu_product=PRODUCT,
-        distributions=["blake3"],
-        extra={"engine_image": IMAGE, "model": "example/model"},
-    )
-    return stamps.Stamp({**stamp.factors, **factor_changes}).to_dict()
-
-
-def publish(
-    root: Path,
-    key: str = KEY,
-    files: dict[str, bytes] | None = None,
-    stamp: dict | None = None,
-    signing_key: Path | None = None,
-) -> Path:
-    """Publish files as the key's current generation; returns its directory."""
-    src = root.parent / f"src-{key.replace('/', '-')}"
-    for rel, data in (files if files is not None else {**COMPILED, **TUNING}).items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_bytes(data)
-    store = Store(root)
-    with store.writer(key) as writer:
-        writer.publish(src, stamp or make_stamp(), {"warmers": []}, signing_key=signing_key)
-    gen = store.current(key)
-    assert gen is not None
-    return gen
 
 
 class NodeMap:

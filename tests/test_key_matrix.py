@@ -44,9 +44,8 @@ import pytest
 from kernelcache.errors import ExitCode
 from kernelcache.stamp import DEFAULT_DISTRIBUTIONS, TUNE_SCOPED
 from kernelcache.store import Store
-from tests.conftest import EXAMPLES, REPO, needs_cute
+from tests.conftest import EXAMPLES, REPO, dsl_declared_settings, needs_cute, publish_files
 from tests.helpers.wheels import build_wheel, pip_install
-from tests.test_settings import dsl_declared_settings
 
 pytestmark = [pytest.mark.slow, needs_cute]
 
@@ -319,8 +318,7 @@ def publish(store_root: Path, stamp: dict[str, Any]) -> Path:
     """Publish an empty generation with ``stamp``; returns its directory."""
     store = Store(store_root)
     key = f"default/matrix/{stamp['factors']['arch']}"
-    with store.writer(key) as writer:
-        writer.publish(writer.staging(), stamp, report={})
+    publish_files(store, key, {}, stamp)
     generation = store.current(key)
     assert generation is not None
     return generation

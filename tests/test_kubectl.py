@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 from kernelcache.controller.kube import kernelcache_path  # noqa: E402
 from kernelcache.controller.manifests import LABEL_ARCH, peering_crds  # noqa: E402
-from tests.test_operator_integration import (  # noqa: E402
+from tests.helpers.operator_cluster import (  # noqa: E402
     EXAMPLE,
     NS,
     Cluster,

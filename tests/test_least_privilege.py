@@ -61,9 +61,9 @@ from tests.conftest import (
     subprocess_env,
     wait_until,
 )
+from tests.helpers.chart import HELM, VALUES, granted_rules, render
+from tests.helpers.generations import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
 from tests.operator_process import api_harness, finish_job, result_generation
-from tests.test_chart import HELM, VALUES, _granted, render
-from tests.test_initcontainer import ARCH, COMPILED, IMAGE, NAME, NS, PRODUCT, TUNING, publish
 
 CONFIG = OperatorConfig()
 IMAGE_NAME, IMAGE_DIGEST = IMAGE.split("@")
@@ -671,6 +671,6 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
         finish_job(kube, cleanup, succeeded=True)
         wait_until(lambda: not kube.list(kernelcache_path(namespace)), what="both to go")
         operator.stop()
-    granted = _granted(render("defaults"))
+    granted = granted_rules(render("defaults"))
     assert called - granted == set(), "called but not granted"
     assert granted - called == set(), "granted but never called"

@@ -28,17 +28,16 @@ import pytest
 import yaml
 
 from kernelcache.controller.kube import jobs_path, kernelcache_path
-from kernelcache.store import Store
 from tests.conftest import (
     REPO,
+    SMALL_WORKLOAD,
+    DemoBuild,
     kernelcache_doc,
     needs_cute,
-    run_kernelcache,
     subprocess_env,
     system_tool,
 )
 from tests.operator_process import api_harness, finish_job, result_generation
-from tests.test_build import SMALL_WORKLOAD, write_spec
 
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 DASHBOARD = REPO / "prometheus" / "kernelcache-dashboard.json"
@@ -158,14 +157,10 @@ def wait_for_jobs(kube: Any) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory) -> Iterator[dict[str, Any]]:
+def scraped(tmp_path_factory, demo_build: DemoBuild) -> Iterator[dict[str, Any]]:
     """Prometheus scraping a cold and a warm serving process and the operator."""
     tmp = tmp_path_factory.mktemp("e2e")
-    spec, store = write_spec(tmp), tmp / "store"
-    built = run_kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
-    assert built.returncode == 0, built.stderr
-    generation = Store(store).current("default/demo/sm_90a")
-    assert generation is not None
+    generation = demo_build.generation
     with ExitStack() as stack:
         cold = stack.enter_context(
             serving(

@@ -37,12 +37,15 @@ from kernelcache.toolchains.flashinfer import BuildLogTail
 from tests.conftest import (
     EXAMPLES,
     REPO,
+    SMALL_WORKLOAD,
+    DemoBuild,
     needs_cute,
+    publish_files,
+    serve_python,
     subprocess_env,
     system_tool,
     wait_until,
 )
-from tests.test_build import SMALL_WORKLOAD, kernelcache, write_spec
 
 HELPER = Path(__file__).parent / "helpers" / "runtime_serve.py"
 PTH = REPO / "src" / "zz_kernelcache_runtime.pth"
@@ -99,13 +102,7 @@ def kernels(samples: Samples, toolchain: str) -> dict[str, float]:
 
 def serve(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, Samples]:
     """Run the serving helper; its metrics (empty when it failed before reporting)."""
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), *args],
-        env=subprocess_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = serve_python(HELPER, *args, **env)
     _, marker, text = proc.stdout.partition("--- metrics\n")
     return proc, parse(text) if marker else {}
 
@@ -168,12 +165,7 @@ def make_generation(root: Path, files: dict[str, bytes], **factors: str) -> Path
     store = Store(root)
     key = "default/demo/sm_90a"
     stamp = stamps.collect(arch="sm_90a", distributions=list(factors))
-    with store.writer(key) as writer:
-        staging = writer.staging()
-        for rel, data in files.items():
-            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            (staging / rel).write_bytes(data)
-        writer.publish(staging, stamp.to_dict(), {"warmers": []})
+    publish_files(store, key, files, stamp.to_dict(), {"warmers": []})
     generation = store.current(key)
     assert generation is not None
     return generation
@@ -373,15 +365,10 @@ def test_when_imported_survives_a_find_spec_probe_before_the_import(tmp_path, mo
 
 
 @pytest.fixture(scope="module")
-def cute_generation(tmp_path_factory) -> Path:
+def cute_generation(tmp_path_factory, demo_build: DemoBuild) -> Path:
     """The example spec built for sm_90a and materialized, as the init-container leaves it."""
-    tmp = tmp_path_factory.mktemp("cute")
-    spec, store = write_spec(tmp), tmp / "store"
-    built = kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
-    assert built.returncode == 0, built.stderr
-    manifest = Store(store).current_manifest("default/demo/sm_90a")
-    generation = Store(store).current("default/demo/sm_90a")
-    return materialize(generation, manifest, tmp / "serve")
+    manifest = Store(demo_build.store).current_manifest(demo_build.key)
+    return materialize(demo_build.generation, manifest, tmp_path_factory.mktemp("cute") / "serve")
 
 
 @needs_cute

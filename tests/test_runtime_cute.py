@@ -12,23 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, needs_cute, subprocess_env
+from tests.conftest import DEMO_WORKLOAD as WORKLOAD
+from tests.conftest import EXAMPLES, needs_cute, serve_python, subprocess_env
 
 pytestmark = needs_cute
 
-WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float32", "float16"], "tiles": [[32, 32], [64, 64]]}
 KERNELS = 6  # per dtype: one add and two tiled scales
 
 
 def serve(cache: Path, arch: str = "sm_90a", script: Path = EXAMPLES / "demo_serve.py", **env):
     # the script's folder comes first on sys.path, so it imports the demo_kernels beside it
     """Run the example as a fresh serving process; returns (hits, compiled, stdout)."""
-    proc = subprocess.run(
-        [sys.executable, str(script), "--workload", json.dumps(WORKLOAD)],
-        env=subprocess_env(KERNELCACHE_CUTE_DSL_DIR=str(cache), CUTE_DSL_ARCH=arch, **env),
-        capture_output=True,
-        text=True,
+    proc = serve_python(
+        script,
+        "--workload",
+        json.dumps(WORKLOAD),
         timeout=300,
+        **{"KERNELCACHE_CUTE_DSL_DIR": str(cache), "CUTE_DSL_ARCH": arch, **env},
     )
     match = re.search(r"(\d+) loaded from cache, (\d+) compiled", proc.stdout)
     assert match, proc.stdout + proc.stderr

@@ -8,9 +8,7 @@ wrongly from the sources fails here.
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 
 import pytest
 
@@ -18,9 +16,14 @@ from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode
 from kernelcache.settings import SETTING_PREFIX, compile_settings
 from kernelcache.store import Store
-from tests.conftest import needs_cute, one_line_error, subprocess_env
+from tests.conftest import (
+    dsl_declared_settings,
+    needs_cute,
+    one_line_error,
+    subprocess_env,
+    write_spec,
+)
 from tests.conftest import run_kernelcache as kernelcache
-from tests.test_build import write_spec
 
 
 def settings_of(**environ: str) -> set[str]:
@@ -62,21 +65,6 @@ def test_a_dsl_setting_that_changes_the_code_is_a_new_generation(tmp_path):
     )  # fmt: skip
     assert checked.returncode == ExitCode.STAMP_MISMATCH
     assert "setting/CUTE_DSL_LINEINFO" in one_line_error(checked)
-
-
-def dsl_declared_settings() -> dict[str, bool]:
-    """``CUTE_DSL_<X>`` -> whether it affects compile, as the imported DSL's settings manager
-    says (each setting read from a variable; computed ones have none)."""
-    probe = (
-        "import json; from cutlass.cutlass_dsl.cutlass import CuTeDSLEnvironmentManager as M\n"
-        "print(json.dumps({e.source: e.affects_compile for e in M._ENV_VAR_SPEC"
-        " if isinstance(e.source, str)}))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return {f"CUTE_DSL_{suffix}": marked for suffix, marked in json.loads(proc.stdout).items()}
 
 
 @needs_cute

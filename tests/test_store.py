@@ -45,6 +45,7 @@ from kernelcache.store import (
     materialize,
     verify,
 )
+from tests.conftest import publish_files
 
 KEY = "team/llama-70b/sm_90a"
 
@@ -77,10 +78,7 @@ def write_tree(root: Path, files: dict[str, bytes]) -> None:
 
 
 def publish(store: Store, files: dict[str, bytes], label: str = "one", **kwargs) -> Manifest:
-    with store.writer(KEY) as writer:
-        staging = writer.staging()
-        write_tree(staging, files)
-        return writer.publish(staging, stamp(label), {"compiled": len(files)}, **kwargs)
+    return publish_files(store, KEY, files, stamp(label), {"compiled": len(files)}, **kwargs)
 
 
 def transient(key_dir: Path) -> list[str]:

@@ -27,37 +27,21 @@ from kernelcache.errors import ExitCode, LockedError, StorageError
 from kernelcache.store import MANIFEST_NAME, FileEntry, Store, generation_id, verify
 from tests.conftest import subprocess_env, write_warmer_spec
 from tests.helpers.store_worker import PHASES, REPOINT_PHASES, publish_random, stamp_for
+from tests.helpers.stores import (
+    WORKER,
+    assert_every_generation_verifies,
+    start_worker,
+    transient,
+    wait_for,
+)
 
-WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 KEY = "faults/model/sm_90a"
 STAMP = {"digest": "blake3:seed", "compile_digest": "c", "factors": {}, "factor_digests": {}}
-TRANSIENT = (".staging-", ".trash-", ".CURRENT.", ".HISTORY.")
-
-
-def start_worker(*args: str | Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-
-
-def wait_for(proc: subprocess.Popen[bytes], line: bytes) -> None:
-    assert proc.stdout is not None
-    got = proc.stdout.readline()
-    if got != line:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"worker said {got!r}, not {line!r}: {err.decode()[-2000:]}")
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
-
-
-def transient(key_dir: Path) -> list[str]:
-    return sorted(n for n in os.listdir(key_dir) if n.startswith(TRANSIENT))
 
 
 def seed_generation(store: Store, size: int = 50_000, key: str = KEY) -> str:
@@ -161,20 +145,6 @@ class KillTally:
     phases: Counter[str] = field(default_factory=Counter)
     currents: set[str] = field(default_factory=set)
     with_leftovers: int = 0
-
-
-def assert_every_generation_verifies(store: Store, key: str, where: str) -> str:
-    """CURRENT names a generation that verifies, and so does every directory under a
-    generation id, CURRENT's or not: none is ever partial. Returns CURRENT's id."""
-    gen_dir = store.current(key)
-    assert gen_dir is not None, f"{where}: no CURRENT"
-    key_dir = store.key_dir(key)
-    generations = [p for p in key_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    assert gen_dir in generations, where
-    for path in generations:
-        result = verify(path)
-        assert result.ok, f"{where}: {result.problems}"
-    return gen_dir.name
 
 
 @pytest.fixture

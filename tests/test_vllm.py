@@ -11,13 +11,11 @@ root, and a fused-MoE kernel first loaded at a prefill size warm-up did not run,
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -25,41 +23,17 @@ import yaml
 from kernelcache import stamp as stamps
 from kernelcache.errors import SpecError
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import kernelcache_doc, run_kernelcache, subprocess_env
-
-FAKE_VLLM = Path(__file__).resolve().parent / "helpers" / "fake_vllm"
-MODEL = Path(__file__).resolve().parent.parent / "bench" / "qwen3-moe-tiny"
-ARCH = "sm_90a"
-KEY = f"default/vq/{ARCH}"
-
-
-def workload(root: Path | str, **changes: Any) -> dict[str, Any]:
-    return {
-        "model": str(MODEL),
-        "loadFormat": "dummy",
-        "maxModelLen": 2048,
-        "maxNumBatchedTokens": 512,
-        "cacheRoot": str(root),
-        "promptLengths": [5, 300, 1500],
-        "batchSizes": [1, 3],
-        "maxTokens": 4,
-        **changes,
-    }
-
-
-def vllm_doc(root: Path | str, **changes: Any) -> dict[str, Any]:
-    return kernelcache_doc(
-        "vq",
-        warmers=[{"type": "vllm", "workload": workload(root, **changes)}],
-        gpuClasses=[{"name": "h200", "arch": ARCH, "gpuProduct": "NVIDIA H200"}],
-    )
-
-
-def fake_env(**overrides: str) -> dict[str, str]:
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(FAKE_VLLM), env["PYTHONPATH"]])
-    return {**env, "KERNELCACHE_ARCH": ARCH, **overrides}
-
+from tests.conftest import run_kernelcache
+from tests.helpers.vllm import (
+    ARCH,
+    FAKE_VLLM,
+    MODEL,
+    drive,
+    fake_env,
+    verify,
+    vllm_doc,
+    workload,
+)
 
 # ------------------------------------------------------------------------------ the spec
 
@@ -134,31 +108,6 @@ def test_path_factors_are_measured_again_or_carried_where_the_stamp_is_checked(m
 # ------------------------------------------------------------------------------ one warm, shared
 
 
-PLAN = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
-
-
-def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, dict, str]:
-    """One engine process, as bench/vllm_coldstart.py runs it: (rc, result, stderr)."""
-    job = {
-        "engine": {"model": str(MODEL), "max_num_batched_tokens": 512},
-        "sweep": PLAN,
-        "runtime": "none",
-        "preload": [],
-        "result": str(tmp / f"{name}.json"),
-        **job,
-    }
-    (tmp / f"{name}.job.json").write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, "-m", "kernelcache.toolchains.vllm", str(tmp / f"{name}.job.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else {}
-    return proc.returncode, result, proc.stderr
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """A generation built by ``kernelcache build`` with the vllm warmer; the warm's root gone."""
@@ -197,17 +146,6 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     assert "vllm-warmup/sizes.json" in paths
     assert any(p.endswith("cache_key_factors.json") for p in paths)
     assert not any(p.endswith(".kernelcache-vllm-root") for p in paths)
-
-
-def verify(
-    built: dict[str, Path], target: Path, env: dict[str, str]
-) -> subprocess.CompletedProcess:
-    """The init-container's command, in the serving image (here: with this engine)."""
-    return subprocess.run(
-        [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
-         "--key", KEY, "--check-env", "--materialize", str(target)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def test_verify_refuses_another_cache_root_naming_the_factor(built, tmp_path):

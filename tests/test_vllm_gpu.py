@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.conftest import kernelcache_doc, subprocess_env
-from tests.test_vllm import ARCH, MODEL, drive, verify
+from tests.helpers.vllm import ARCH, MODEL, drive, verify
 
 pytestmark = [
     pytest.mark.gpu,

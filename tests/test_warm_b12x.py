@@ -25,7 +25,14 @@ from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode
 from kernelcache.spec import B12xWorkload
 
-from .conftest import kernelcache_doc, needs_cute, one_line_error, run_kernelcache, subprocess_env
+from .conftest import (
+    kernelcache_doc,
+    needs_cute,
+    one_line_error,
+    run_kernelcache,
+    serve_python,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.slow, needs_cute]
 
@@ -86,20 +93,16 @@ def materialize(store: Path, target: Path, **env: str) -> Path:
 
 
 def serve(generation: Path, tmp_path: Path, *, strict: bool) -> subprocess.CompletedProcess:
-    env = subprocess_env(
+    return serve_python(
+        SERVE,
+        json.dumps(WORKLOAD),
+        str(SM_COUNT),
         KERNELCACHE_DIR=str(generation),
         KERNELCACHE_STRICT="1" if strict else "0",
         CUTE_DSL_ARCH=ARCH,
         FLASHINFER_CUDA_ARCH_LIST="12.0f",  # what FlashInfer detects on an sm_120 GPU
         FLASHINFER_JIT_BUILD_LOG=str(tmp_path / "build-log.jsonl"),
         HOME=str(tmp_path),
-    )
-    return subprocess.run(
-        [sys.executable, str(SERVE), json.dumps(WORKLOAD), str(SM_COUNT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
 
 

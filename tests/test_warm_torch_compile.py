@@ -20,7 +20,7 @@ import pytest
 from kernelcache.errors import ExitCode
 from kernelcache.store import Manifest, Store, materialize
 from kernelcache.toolchains.inductor import MAX_REPLAYS
-from tests.conftest import EXAMPLES, subprocess_env, write_warmer_spec
+from tests.conftest import EXAMPLES, serve_python, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -141,13 +141,11 @@ def serve_from_generation(
     generation: Path, workload: dict[str, Any], **env: str
 ) -> tuple[int, dict[str, Any], str]:
     """examples/torch_models.py through ``kernelcache.runtime``: exit code, counters, stderr."""
-    example = [sys.executable, str(EXAMPLES / "torch_models.py")]
-    run = subprocess.run(
-        [*example, "--workload", json.dumps(workload)],
-        env=subprocess_env(KERNELCACHE_DIR=str(generation), **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = serve_python(
+        EXAMPLES / "torch_models.py",
+        "--workload",
+        json.dumps(workload),
+        **{"KERNELCACHE_DIR": str(generation), **env},
     )
     return run.returncode, json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 

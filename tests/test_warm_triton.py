@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ import pytest
 
 from kernelcache.errors import ExitCode, WarmError
 from kernelcache.store import Store
-from tests.conftest import EXAMPLES, one_line_error, subprocess_env, write_warmer_spec
+from tests.conftest import EXAMPLES, one_line_error, serve_python, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -217,16 +215,13 @@ def serve(cache_dir: Path) -> tuple[int, str]:
     """examples/triton_kernels.py as a fresh serving process on ``cache_dir``."""
     from kernelcache.toolchains.triton import TRITON_CACHE_MANAGER as CACHE_MANAGER
 
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "triton_kernels.py"), "--workload", json.dumps(WORKLOAD)],
-        env=subprocess_env(
-            TRITON_CACHE_DIR=str(cache_dir),
-            TRITON_CACHE_AUTOTUNING="1",
-            TRITON_CACHE_MANAGER=CACHE_MANAGER,
-        ),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = serve_python(
+        EXAMPLES / "triton_kernels.py",
+        "--workload",
+        json.dumps(WORKLOAD),
+        TRITON_CACHE_DIR=str(cache_dir),
+        TRITON_CACHE_AUTOTUNING="1",
+        TRITON_CACHE_MANAGER=CACHE_MANAGER,
     )
     assert proc.stdout.strip(), proc.stderr
     return proc.returncode, proc.stdout.strip().splitlines()[-1]

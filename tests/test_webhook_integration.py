@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 # First: it sets the operator's environment, which kernelcache.controller.main reads on import.
-from tests.test_operator_integration import (
+from tests.helpers.operator_cluster import (
     NS,
     Cluster,
     emulated_cluster,

@@ -1,0 +1,85 @@
+"""The vllm warmer driven against the fake engine (or a real one): the tiny model, the
+KernelCache, and a warm and a verify through the real CLI; shared by the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO, kernelcache_doc, subprocess_env
+
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
+
+MODEL = REPO / "bench" / "qwen3-moe-tiny"
+
+ARCH = "sm_90a"
+
+KEY = f"default/vq/{ARCH}"
+
+
+def workload(root: Path | str, **changes: Any) -> dict[str, Any]:
+    return {
+        "model": str(MODEL),
+        "loadFormat": "dummy",
+        "maxModelLen": 2048,
+        "maxNumBatchedTokens": 512,
+        "cacheRoot": str(root),
+        "promptLengths": [5, 300, 1500],
+        "batchSizes": [1, 3],
+        "maxTokens": 4,
+        **changes,
+    }
+
+
+def vllm_doc(root: Path | str, **changes: Any) -> dict[str, Any]:
+    return kernelcache_doc(
+        "vq",
+        warmers=[{"type": "vllm", "workload": workload(root, **changes)}],
+        gpuClasses=[{"name": "h200", "arch": ARCH, "gpuProduct": "NVIDIA H200"}],
+    )
+
+
+def fake_env(**overrides: str) -> dict[str, str]:
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE_VLLM), env["PYTHONPATH"]])
+    return {**env, "KERNELCACHE_ARCH": ARCH, **overrides}
+
+
+PLAN = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
+
+
+def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, dict, str]:
+    """One engine process, as bench/vllm_coldstart.py runs it: (rc, result, stderr)."""
+    job = {
+        "engine": {"model": str(MODEL), "max_num_batched_tokens": 512},
+        "sweep": PLAN,
+        "runtime": "none",
+        "preload": [],
+        "result": str(tmp / f"{name}.json"),
+        **job,
+    }
+    (tmp / f"{name}.job.json").write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache.toolchains.vllm", str(tmp / f"{name}.job.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else {}
+    return proc.returncode, result, proc.stderr
+
+
+def verify(
+    built: dict[str, Path], target: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """The init-container's command, in the serving image (here: with this engine)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
+         "--key", KEY, "--check-env", "--materialize", str(target)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
