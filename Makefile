@@ -43,11 +43,11 @@ demo: $(VENV)/.installed
 # programs the tests drive (promtool, prometheus, g++) are installed when missing, as root;
 # under CI a missing one fails the run instead of skipping its tests.
 # The tests run side by side in PYTEST_WORKERS processes (pytest-xdist): much of their time is
-# spent waiting on the processes they start, so more workers than cores pay. Tests that share a
-# module's set-up stay on one worker (tests/conftest.py groups them), the rest spread out, slow
-# ones first. test-quick leaves out the `slow` ones.
+# spent waiting on the processes they start, so more workers than cores pay. Each file stays on
+# one worker, in order (a module's fixtures are built once; some files' tests build on the ones
+# before), files with slow tests first. test-quick leaves out the `slow` ones.
 PYTEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: $(VENV)/.installed-test
 	bash scripts/install-system-tools.sh

@@ -34,32 +34,12 @@ HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
 
 
-# Tests that put a start-up hook into the interpreter's own site-packages, which every child
-# Python of every worker reads: they run one at a time.
-SITE_PACKAGES_FIXTURES = {"hook_installed", "pth_hook"}
-
-
-def _xdist_group(item: pytest.Item) -> str | None:
-    """The pytest-xdist group a test must share with others (``--dist loadgroup``): its file's,
-    when it uses a fixture built once per module (built once then, not once per worker)."""
-    if SITE_PACKAGES_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return "site-packages"
-    info = getattr(item, "_fixtureinfo", None)
-    definitions = info.name2fixturedefs.values() if info is not None else ()
-    if any(defs and defs[-1].scope in ("module", "class", "package") for defs in definitions):
-        return item.path.name
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, so that under pytest-xdist the longest start at once instead of
-    running alone at the end; tests that share a module's set-up or global state grouped."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    for item in items:
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    """The files holding slow tests first: under pytest-xdist (a file per worker, handed out in
+    this order) the longest ones start at once instead of running alone at the end. Within a
+    file the order stays: some files' tests build on the ones before them."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 def system_tool(name: str) -> str:
