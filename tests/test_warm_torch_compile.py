@@ -98,9 +98,18 @@ def build(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[Path, Ma
     return generation, manifest
 
 
-def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tuple[dict, dict, dict]:
-    """Build, then serve with and without the Mega-Cache (side by side); the three reports."""
-    generation, manifest = build(tmp_path, workload, arch)
+@pytest.fixture(scope="module")
+def cpu_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    """One build of CPU_WORKLOAD for sm_90a, shared: the tests below only read it (the one
+    that damages a file does so in its own materialized copy)."""
+    return build(tmp_path_factory.mktemp("cpu-build"), CPU_WORKLOAD, "sm_90a")
+
+
+def serve_both_ways(
+    tmp_path: Path, built: tuple[Path, Manifest], workload: dict[str, Any]
+) -> tuple[dict, dict, dict]:
+    """Serve a build with and without the Mega-Cache (side by side); the three reports."""
+    generation, manifest = built
     paths = {f.path for f in manifest.files}
     assert {"torch-compile/megacache.bin", "torch-compile/megacache.json"} <= paths
     assert any(p.startswith("inductor/fxgraph/") for p in paths)
@@ -118,8 +127,10 @@ def build_and_serve(tmp_path: Path, workload: dict[str, Any], arch: str) -> tupl
 
 
 @pytest.mark.slow
-def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothing(tmp_path):
-    report, served, cold = build_and_serve(tmp_path, CPU_WORKLOAD, "sm_90a")
+def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothing(
+    tmp_path, cpu_build
+):
+    report, served, cold = serve_both_ways(tmp_path, cpu_build, CPU_WORKLOAD)
     assert report["compiled"] == 1
     assert report["kernels"] == ["mlp[float32,32x64,batch=8]"]
     assert report["megacache"] == {"aot_autograd": 1, "inductor": 1}
@@ -151,13 +162,15 @@ def serve_from_generation(
 
 
 @pytest.mark.slow
-def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob(tmp_path):
+def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob(
+    tmp_path, cpu_build
+):
     """The runtime serves inductor from the materialized ``files/inductor`` and leaves the
     Mega-Cache alone (loading it would put the first warm process's autotune results back
     over what the replays wrote). The blob is damaged here to show whether it was read: served
     from the generation's own cache, nothing notices; pointed at a cache dir of the user's,
     the runtime loads the blob, torch says it cannot, and the model compiles."""
-    generation = build_and_materialize(tmp_path, CPU_WORKLOAD, "sm_90a")
+    generation = materialize(*cpu_build, tmp_path / "serve")  # off the staging dir, as a pod
     blob = generation / "files" / "torch-compile" / "megacache.bin"
     blob.write_bytes(blob.read_bytes()[:100])
 
@@ -189,7 +202,8 @@ def test_a_warm_that_compiles_nothing_fails_in_one_line(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (max-autotune compiles for it)")
 def test_max_autotune_on_the_gpu_is_served_from_the_megacache(tmp_path):
-    report, served, cold = build_and_serve(tmp_path, GPU_WORKLOAD, gpu_arch())
+    built = build(tmp_path, GPU_WORKLOAD, gpu_arch())
+    report, served, cold = serve_both_ways(tmp_path, built, GPU_WORKLOAD)
     assert report["compiled"] == 1 and report["megacache"]["inductor"] == 1
     assert "triton" in report["dirs"]
     assert report["replays"][-1] == 0  # tuned kernels are not tuned again in serving

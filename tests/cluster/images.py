@@ -255,14 +255,18 @@ def _run(here: str, command: str, inside: object, venv: Path, build: bool) -> No
                     ],
                 )
                 (wheel,) = Path(wheels).glob("*.whl")
-                _check(here, [sys.executable, "-m", "venv", str(venv)])
+                # The image's interpreter gets no pip of its own (ensurepip costs seconds per
+                # image): this pip installs into it, as the image's pip would.
+                _check(here, [sys.executable, "-m", "venv", "--without-pip", str(venv)])
                 requirement = f"{wheel}[{extras}" if extras else str(wheel)
                 _check(
                     here,
                     [
-                        str(venv / "bin" / "python"),
+                        sys.executable,
                         "-m",
                         "pip",
+                        "--python",
+                        str(venv / "bin" / "python"),
                         "install",
                         "-q",
                         "--disable-pip-version-check",
