@@ -425,3 +425,17 @@ def test_a_re_created_kernelcache_shows_what_its_store_still_serves(cluster: Clu
         status = wait_until(lambda: cluster.status("demo").get("arches"), what="a status")
         assert [a.get("generation") for a in status] == [None, None]
         assert cluster.status("demo")["servingArches"] == "0/2"
+
+
+def test_a_kernelcache_deleted_during_a_resync_is_not_held_a_minute_by_the_timer() -> None:
+    """kopf removes the finalizer only once the object's resync timer has exited, and looks
+    again after ``background.cancellation_polling`` seconds (60 by default): a delete that
+    met a running resync hung for a minute (this suite's delete tests timed out under load)."""
+    import kopf
+
+    from kernelcache.controller.main import _configure
+
+    settings = kopf.OperatorSettings()
+    assert settings.background.cancellation_polling == 60  # kopf's default, which held it
+    _configure(settings)
+    assert settings.background.cancellation_polling <= 1
