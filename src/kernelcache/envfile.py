@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shlex
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -31,10 +30,16 @@ log = logging.getLogger(__name__)
 def write(
     target: Path, values: Mapping[contract.Variable[Any], str], report: Mapping[str, Any]
 ) -> None:
-    """The report, then the env file: the env file is what says the target is ready."""
+    """The report, then the env file: the env file is what says the target is ready. Each is
+    replaced in one rename, durable before this returns."""
+    from kernelcache.store.fs import replace_synced  # the writing side only
+
     lines = [f"{variable.name}={shlex.quote(value)}" for variable, value in values.items()]
-    _write_atomic(target / contract.REPORT_FILE, (json.dumps(report, indent=1) + "\n").encode())
-    _write_atomic(target / contract.ENV_FILE, ("\n".join(lines) + "\n").encode())
+    for name, data in (
+        (contract.REPORT_FILE, json.dumps(report, indent=1) + "\n"),
+        (contract.ENV_FILE, "\n".join(lines) + "\n"),
+    ):
+        replace_synced(target / name, data.encode(), f".{name}.")
 
 
 def remove(target: Path) -> None:
@@ -76,18 +81,3 @@ def apply(environ: MutableMapping[str, str] | None = None) -> None:
         if len(words) == 1 and "=" in words[0]:
             name, _, value = words[0].partition("=")
             env.setdefault(name, value)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace path with data in one rename, durable before this returns."""
-    from kernelcache.store import fsync_dir, io_errors, write_file_synced  # the writing side
-
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
-        write_file_synced(tmp, data)
-        with io_errors(path):
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
