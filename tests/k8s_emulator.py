@@ -179,27 +179,13 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
         pod = copy.deepcopy(request.data)
         if request.namespace:
             pod.setdefault("metadata", {})["namespace"] = request.namespace
-        gvk = {"group": "", "version": "v1", "kind": "Pod"}
-        gvr = {"group": "", "version": "v1", "resource": "pods"}
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": str(uuid.uuid4()),
-                "kind": gvk,
-                "resource": gvr,
-                "requestKind": gvk,
-                "requestResource": gvr,
-                "name": pod["metadata"].get("name", ""),
-                "namespace": request.namespace or "",
-                "operation": "CREATE",
-                "userInfo": {"username": "kubernetes-admin", "groups": ["system:masters"]},
-                "object": pod,
-                "oldObject": None,
-                "dryRun": False,
-                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-            },
-        }
+        review = admission_review(
+            pod,
+            {"group": "", "version": "v1", "kind": "Pod"},
+            {"group": "", "version": "v1", "resource": "pods"},
+            request.namespace or "",
+            ("kubernetes-admin", ["system:masters"]),
+        )
         async with (
             aiohttp.ClientSession() as session,
             session.post(self.pod_webhook, json=review) as reply,
@@ -521,3 +507,33 @@ def serving(
         loop, stop = holder["stop"]
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=10)
+
+
+def admission_review(
+    obj: dict[str, Any],
+    kind: dict[str, str],
+    resource: dict[str, str],
+    namespace: str,
+    user: tuple[str, list[str]],
+) -> dict[str, Any]:
+    """The AdmissionReview the API server posts to a webhook for the CREATE of ``obj``."""
+    username, groups = user
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": kind,
+            "resource": resource,
+            "requestKind": kind,
+            "requestResource": resource,
+            "name": obj["metadata"].get("name", ""),
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": username, "groups": groups},
+            "object": obj,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }

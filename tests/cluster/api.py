@@ -30,7 +30,6 @@ import ipaddress
 import json
 import ssl
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,7 +45,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from kmock import Request, action
 
-from tests.k8s_emulator import KubernetesEmulator, label_selected
+from tests.k8s_emulator import KubernetesEmulator, admission_review, label_selected
 
 ADMIN = "admin"
 RBAC = "rbac.authorization.k8s.io"
@@ -242,25 +241,7 @@ class ClusterAPI(KubernetesEmulator):
             "resource": resource.plural,
         }
         user, groups = self.tokens[_token(request)]
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": str(uuid.uuid4()),
-                "kind": kind,
-                "resource": gvr,
-                "requestKind": kind,
-                "requestResource": gvr,
-                "name": obj["metadata"].get("name", ""),
-                "namespace": request.namespace or "",
-                "operation": "CREATE",
-                "userInfo": {"username": user, "groups": list(groups)},
-                "object": obj,
-                "oldObject": None,
-                "dryRun": False,
-                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-            },
-        }
+        review = admission_review(obj, kind, gvr, request.namespace or "", (user, list(groups)))
         try:
             answer = await self._post(hook, review)
         except (aiohttp.ClientError, asyncio.TimeoutError, LookupError, ValueError) as exc:
