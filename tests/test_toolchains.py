@@ -31,7 +31,7 @@ def test_every_warmer_type_of_the_spec_is_provided_by_exactly_one_toolchain():
 
 
 def test_the_cache_variables_are_the_union_of_the_toolchains_declarations():
-    assert toolchains.CACHE_ENV == {
+    assert toolchains.cache_env() == {
         "KERNELCACHE_CUTE_DSL_DIR": "cute-dsl",
         "CUTE_DSL_CACHE_DIR": "cute-dsl-jit",
         "TRITON_CACHE_DIR": "triton",
@@ -82,7 +82,7 @@ def test_a_new_toolchain_is_one_module(tmp_path, monkeypatch):
     toolchains.toolchains.cache_clear()
     try:
         assert "zz-example" in [t.name for t in toolchains.toolchains()]
-        assert toolchains.CACHE_ENV["ZZ_EXAMPLE_DIR"] == "zz-example"
+        assert toolchains.cache_env()["ZZ_EXAMPLE_DIR"] == "zz-example"
         warmer = toolchains.warmer_class("zz-example")(WarmerSpec(type="command", command=["x"]))
         report = warmer.run(tmp_path / "files", "sm_90a")
         assert (report.files, report.dirs) == (1, {"zz-example": {"files": 1, "bytes": 1}})

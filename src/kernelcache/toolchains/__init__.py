@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from kernelcache.toolchains.base import Toolchain, Warmer
 
 __all__ = [
-    "CACHE_ENV",
     "cache_env",
     "is_tuning_file",
     "make_warmers",
@@ -83,10 +82,3 @@ def make_warmers(
         warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)])
         for c in configs
     ]
-
-
-def __getattr__(name: str) -> dict[str, str]:
-    # CACHE_ENV is the union of the toolchains' declarations, made when first read.
-    if name == "CACHE_ENV":
-        return cache_env()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

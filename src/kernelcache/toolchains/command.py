@@ -1,6 +1,6 @@
 """The command warmer: run any command (an engine's own warm-up) with every cache env set.
 
-The command sees each toolchain's cache variable (``kernelcache.toolchains.CACHE_ENV``)
+The command sees each toolchain's cache variable (``kernelcache.toolchains.cache_env()``)
 pointed at its staging subdirectory, plus
 ``KERNELCACHE_ARCH``, ``KERNELCACHE_FILES`` (the generation's ``files/``) and
 ``KERNELCACHE_WORKLOAD`` (the spec's workload as JSON). Output streams through, so a long
