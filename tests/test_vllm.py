@@ -1,11 +1,13 @@
 """The vllm warmer and serving path without a GPU: spec, path factors, cache root, runtime.
 
-The engine is ``tests/helpers/fake_vllm``: vLLM's hook points (``Worker.compile_or_warm_up_model``
-arming ``vllm.utils.jit_monitor`` at its end, ``GPUModelRunner.execute_model``/``_dummy_run``)
-and vLLM's two failures as measured on an H200: a compile cache that names its own absolute
-root, and a fused-MoE kernel first loaded at a prefill size warm-up did not run, which
-``jit_monitor_mode="error"`` turns into a crash. The same pipeline on the real engine:
-``tests/test_vllm_gpu.py`` and ``bench/vllm_coldstart.py``.
+The engine is ``tests/helpers/fake_vllm``: ``vllm serve`` as an API server and an engine core
+process (forked, or spawned), vLLM's hook points (``Worker.compile_or_warm_up_model`` arming
+``vllm.utils.jit_monitor`` at its end, ``GPUModelRunner.execute_model``/``_dummy_run``, the
+startup plan in ``determine_available_memory``), one worker per tensor-parallel rank, and
+vLLM's two failures as measured on an H200: a compile cache that names its own absolute root,
+and a fused-MoE kernel first loaded at a prefill size warm-up did not run, which
+``jit_monitor_mode="error"`` turns into a dead engine core. The same pipeline on the real
+engine: ``tests/test_vllm_gpu.py`` and ``bench/vllm_coldstart.py``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,29 @@ import yaml
 from kernelcache import stamp as stamps
 from kernelcache.errors import SpecError
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import run_kernelcache
+from kernelcache.store import Store
+from tests.conftest import publish_files, run_kernelcache
+from tests.helpers.generations import make_stamp
 from tests.helpers.vllm import (
     ARCH,
     FAKE_VLLM,
+    KEY,
     MODEL,
     drive,
     fake_env,
+    runtime_hook,
     verify,
     vllm_doc,
     workload,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hook():
+    """vllm serve's processes load the runtime through its .pth hook, as in an installed image."""
+    with runtime_hook():
+        yield
+
 
 # ------------------------------------------------------------------------------ the spec
 
@@ -136,6 +150,10 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     }
     assert last["serving"] and last["jit_events"] == [] and last["cold_compiles"] == {}
     assert report["preload_sizes"] == sorted({e["tokens"] for e in first["jit_events"]})
+    # Each pass was vllm serve: the monitor armed in the engine core, not the API server.
+    for one in report["passes"]:
+        assert [p["server"] for p in one["processes"] if p["armed"]] == [False]
+    assert first["outputs_digest"] == last["outputs_digest"]
     factors = next(iter(report["cache_key_factors"].values()))
     assert factors == {"model": str(MODEL), "dtype": "auto"}  # vLLM's own, as written
     stamp = manifest["stamp"]["factors"]
@@ -146,6 +164,11 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     assert "vllm-warmup/sizes.json" in paths
     assert any(p.endswith("cache_key_factors.json") for p in paths)
     assert not any(p.endswith(".kernelcache-vllm-root") for p in paths)
+    # vLLM's startup plan, recorded by the compile Job, kept as GPU-product tuning.
+    assert [p for p in paths if p.startswith("vllm/startup_plan/")] == [
+        f"vllm/startup_plan/{name}" for name in report["startup_plans"]
+    ] and len(report["startup_plans"]) == 1
+    assert first["startup_plan"]["plans"] == 0 and last["startup_plan"]["applied"] is True
 
 
 def test_verify_refuses_another_cache_root_naming_the_factor(built, tmp_path):
@@ -171,35 +194,45 @@ def test_verify_refuses_a_root_that_holds_someone_elses_files(built, tmp_path):
         shutil.rmtree(built["root"])
 
 
-def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, tmp_path):
+def served_env(built, pod, **extra):
+    return fake_env(
+        VLLM_CACHE_ROOT=str(built["root"]), KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
+        **extra,
+    )  # fmt: skip
+
+
+ERROR_MODE = {"model": str(MODEL), "max_num_batched_tokens": 512, "jit_monitor_mode": "error"}
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, tmp_path, method):
     pod = tmp_path / "pod"
     proc = verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"])))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((pod / "kernelcache-verify.json").read_text())
     assert report["vllm_cache_root"] == str(built["root"]) and report["vllm_files"] > 0
-    serving = fake_env(
-        VLLM_CACHE_ROOT=str(built["root"]), KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env")
-    )
-    error_mode = {"model": str(MODEL), "max_num_batched_tokens": 512, "jit_monitor_mode": "error"}
-    rc, served, stderr = drive(tmp_path, "served", serving, runtime="serving", engine=error_mode)
-    assert rc == 0 and served["sweep_error"] is None, stderr
+    # vLLM's engine core forked by the API server, or spawned (a fresh interpreter whose
+    # .pth hook installs the runtime again): the hooks run where the model runs.
+    serving = served_env(built, pod, VLLM_WORKER_MULTIPROC_METHOD=method)
+    rc, served, log = drive(tmp_path, "served", serving, runtime="serving", engine=ERROR_MODE)
+    assert rc == 0 and served["sweep_error"] is None, log
     assert served["jit_events"] == [] and served["monitor_mode"] == "error"
-    assert (
-        served["preload_sizes"]
-        == json.loads(built["manifest"].read_text())["report"]["warmers"][0]["preload_sizes"]
-    )
+    [engine] = [p for p in served["processes"] if p["armed"]]
+    assert engine["pid"] != served["server_pid"] and not engine["server"]
+    recorded = json.loads(built["manifest"].read_text())["report"]["warmers"][0]
+    assert served["preload_sizes"] == recorded["preload_sizes"]
     # The same engine on the same restored cache, without kernelcache's runtime: vLLM's
-    # own warm-up leaves the prefill kernels to the first request, and error mode stops it.
-    rc, plain, _ = drive(tmp_path, "plain", serving, engine=error_mode)
+    # own warm-up leaves the prefill kernels to the first request, and error mode kills it.
+    rc, plain, _ = drive(tmp_path, "plain", serving, engine=ERROR_MODE)
     assert rc == 1 and "fused_moe_kernel[BLOCK_SIZE_M=128" in plain["sweep_error"]
-    # Strict maps onto vLLM's error mode whatever the engine was given.
+    # Strict reaches the engine core: vLLM's error mode whatever the engine was given.
     strict = {**serving, "KERNELCACHE_STRICT": "1"}
-    rc, result, stderr = drive(tmp_path, "strict", strict, runtime="serving")
-    assert rc == 0 and result["monitor_mode"] == "error" and result["jit_events"] == [], stderr
-    # Outputs are the cold engine's.
-    cold_env = fake_env(VLLM_CACHE_ROOT=str(tmp_path / "cold-root"))
-    _, cold, _ = drive(tmp_path, "cold", cold_env)
-    assert served["outputs"] == cold["outputs"] and cold["jit_events"]
+    rc, result, log = drive(tmp_path, "strict", strict, runtime="serving")
+    assert rc == 0 and result["monitor_mode"] == "error" and result["jit_events"] == [], log
+    # Outputs are the cold engine's, the warm's first pass.
+    from kernelcache.toolchains.vllm import outputs_digest
+
+    assert outputs_digest(served["outputs"]) == recorded["passes"][0]["outputs_digest"]
 
 
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
@@ -207,34 +240,165 @@ def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
     victim = next(p for p in built["root"].rglob("*") if p.name == "vllm_compile_cache.py")
     victim.unlink()
-    serving = fake_env(
-        VLLM_CACHE_ROOT=str(built["root"]),
-        KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
-        KERNELCACHE_STRICT="1",
-    )
-    started = time.monotonic()
-    rc, result, stderr = drive(tmp_path, "strict", serving, runtime="serving")
-    assert rc == 10 and result == {}, stderr
-    assert stderr.strip().splitlines() == [
+    serving = served_env(built, pod, KERNELCACHE_STRICT="1")
+    rc, result, log = drive(tmp_path, "strict", serving, runtime="serving")
+    assert rc == 1 and result["server_exit"] == 10 and result["processes"] == [], log
+    assert (
         f"kernelcache: {built['root']}: the vLLM cache root lacks 1 of the generation's files, "
         f"e.g. vllm/{victim.relative_to(built['root'])} (kernelcache verify --materialize puts "
         "them there)"
-    ]
-    assert time.monotonic() - started < 60
+    ) in log.splitlines()
 
 
 def test_the_engines_model_is_held_to_the_generations(built, tmp_path):
     pod = tmp_path / "pod"
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
-    serving = fake_env(
-        VLLM_CACHE_ROOT=str(built["root"]),
-        KERNELCACHE_ENV_FILE=str(pod / "kernelcache.env"),
-        KERNELCACHE_STRICT="1",
-    )
+    serving = served_env(built, pod, KERNELCACHE_STRICT="1")
     other = {"model": "/models/another", "max_num_batched_tokens": 512}
-    rc, _, stderr = drive(tmp_path, "other", serving, runtime="serving", engine=other)
-    assert rc != 0
-    assert f"stamp mismatch: vllm/model: {MODEL} != /models/another" in stderr
+    rc, result, log = drive(tmp_path, "other", serving, runtime="serving", engine=other)
+    assert rc != 0 and result["ready_seconds"] is None
+    assert f"stamp mismatch: vllm/model: {MODEL} != /models/another" in log
+
+
+# ------------------------------------------------------------------------------ startup plan
+
+
+def test_the_startup_plan_serves_its_gpu_product_only_and_less_memory_profiles(built, tmp_path):
+    recorded = json.loads(built["manifest"].read_text())["report"]["warmers"][0]
+    [plan] = recorded["startup_plans"]
+    # Another GPU product: the plan is tuning of another GPU, refused (strict policy) or
+    # left out of the copy (permissive), like autotune results.
+    other = fake_env(VLLM_CACHE_ROOT=str(built["root"]), KERNELCACHE_GPU_PRODUCT="NVIDIA H100")
+    proc = verify(built, tmp_path / "h100", other)
+    assert proc.returncode == 4, proc.stderr
+    assert "gpu_product: NVIDIA H200 != NVIDIA H100" in proc.stderr
+    assert f"vllm/startup_plan/{plan}" in proc.stderr
+    proc = verify(built, tmp_path / "h100", other, "--policy", "permissive")
+    assert proc.returncode == 0, proc.stderr
+    assert not (built["root"] / "startup_plan" / plan).exists()
+    rc, result, log = drive(
+        tmp_path, "h100", served_env(built, tmp_path / "h100", FAKE_VLLM_GPU="NVIDIA H100"),
+        runtime="serving",
+    )  # fmt: skip
+    assert rc == 0 and result["startup_plan"]["plans"] == 0, log
+    # The same product, a node that never ran the engine: vLLM applies the compile Job's plan.
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    rc, applied, log = drive(tmp_path, "applied", served_env(built, pod), runtime="serving")
+    assert rc == 0 and applied["startup_plan"]["applied"] is True, log
+    assert "Memory profiling takes" not in log
+    # Less free memory than the plan recorded: vLLM profiles; the start succeeds, and says so.
+    rc, fallback, log = drive(
+        tmp_path, "less", served_env(built, pod, FAKE_VLLM_FREE_GIB="100"), runtime="serving"
+    )
+    assert rc == 0 and fallback["sweep_error"] is None and fallback["jit_events"] == [], log
+    assert fallback["startup_plan"]["applied"] is False and "Memory profiling takes" in log
+    assert (
+        "kernelcache: vLLM's startup plan from the generation was not applied (this GPU has "
+        "100.00 GiB free, the plan recorded 139.29 GiB): vLLM profiles memory instead"
+    ) in log
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+
+
+def test_a_tensor_parallel_warm_keeps_and_places_every_ranks_cache(tmp_path):
+    """TP=2 on the stand-in engine only (no two-GPU machine measured it): one compile cache
+    per rank (rank_0_0, rank_1_0) and one startup plan per rank, all placed back."""
+    root, store = tmp_path / "root", tmp_path / "store"
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(root, tensorParallelSize=2)))
+    proc = run_kernelcache(
+        "build", "-f", str(tmp_path / "kc.yaml"), "--store", str(store),
+        PYTHONPATH=fake_env()["PYTHONPATH"], PATH=fake_env()["PATH"],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(next(store.glob("default/vq/*/*/MANIFEST.json")).read_text())
+    ranks = {p.split("/")[3] for f in manifest["files"] if (p := f["path"]).count("rank_")}
+    assert ranks == {"rank_0_0", "rank_1_0"}
+    assert len(manifest["report"]["warmers"][0]["startup_plans"]) == 2
+    shutil.rmtree(root)
+    built = {"store": store, "root": root}
+    assert verify(built, tmp_path / "pod", fake_env(VLLM_CACHE_ROOT=str(root))).returncode == 0
+    assert {p.name for p in (root / "torch_compile_cache" / "abc123").iterdir()} == ranks
+    engine = {**ERROR_MODE, "tensor_parallel_size": 2}
+    rc, served, log = drive(
+        tmp_path, "tp2", served_env(built, tmp_path / "pod"), runtime="serving", engine=engine
+    )
+    assert rc == 0 and served["jit_events"] == [] and served["torch_compile_seconds"] < 0.1, log
+    assert served["startup_plan"]["applied"] is True
+
+
+# ------------------------------------------------------------------------------ FlashInfer
+
+
+def flashinfer_generation(tmp_path, modules, present):
+    """A vllm generation whose warm recorded FlashInfer ``modules``; ``present`` laid out."""
+    files = {f"flashinfer/aot/{m}/{m}.so": b"\x7fELF" + m.encode() for m in present}
+    report = {"warmers": [{"warmer": "vllm m", "flashinfer_modules": modules}]}
+    stamp = make_stamp()
+    stamp["factors"]["arch"] = ARCH
+    publish_files(Store(tmp_path / "store"), KEY, files, stamp, report)
+    return {"store": tmp_path / "store"}
+
+
+def test_the_init_container_refuses_a_generation_missing_a_flashinfer_module_the_warm_loaded(
+    tmp_path,
+):
+    modules = ["batch_prefill_with_kv_cache_dtype_q_bf16", "sampling"]
+    generation = flashinfer_generation(tmp_path, modules, present=["sampling"])
+    proc = verify(generation, tmp_path / "pod", fake_env(), "--policy", "permissive")
+    assert proc.returncode == 10, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "FlashInfer module batch_prefill_with_kv_cache_dtype_q_bf16 that the warm loaded" in line
+    assert not (tmp_path / "pod" / "kernelcache.env").exists()
+    complete = flashinfer_generation(tmp_path / "b", modules, present=modules)
+    proc = verify(complete, tmp_path / "pod", fake_env(), "--policy", "permissive")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        json.loads((tmp_path / "pod" / "kernelcache-verify.json").read_text())["flashinfer_modules"]
+        == 2
+    )
+
+
+def test_the_warm_fails_when_flashinfer_loaded_a_module_it_did_not_build(tmp_path):
+    from kernelcache.errors import WarmError
+    from kernelcache.toolchains.vllm import keep_flashinfer_modules
+
+    jit = tmp_path / "flashinfer" / ".cache" / "flashinfer" / "0.6.14" / "90a" / "cached_ops"
+    (jit / "sampling").mkdir(parents=True)
+    (jit / "sampling" / "sampling.so").write_bytes(b"\x7fELF")
+    assert keep_flashinfer_modules(tmp_path, ["sampling"]) == ["sampling"]
+    assert (tmp_path / "flashinfer" / "aot" / "sampling" / "sampling.so").is_file()
+    with pytest.raises(WarmError, match="module norm was loaded but no library of it was built"):
+        keep_flashinfer_modules(tmp_path, ["norm", "sampling"])
+
+
+def test_flashinfer_builds_and_loads_are_seen_where_flashinfer_has_no_build_log():
+    """FlashInfer 0.6.x logs no builds: its ``JitSpec`` is where a build shows."""
+    from kernelcache.runtime import metrics
+    from kernelcache.toolchains import flashinfer
+
+    class JitSpec:
+        def __init__(self, name, seconds, aot):
+            self.name, self.seconds, self.is_aot = name, seconds, aot
+
+        def build(self, verbose, need_lock=True):
+            time.sleep(self.seconds)
+
+        def build_and_load(self):
+            if not self.is_aot:
+                self.build(False)
+            return self.name
+
+    module = type("core", (), {"JitSpec": JitSpec})
+    flashinfer.watch_jit(module, noop_threshold=0.05)
+    before = sum(v for (t, _), v in metrics.cold_compiles().items() if t == "flashinfer")
+    assert JitSpec("sampling", 0.06, False).build_and_load() == "sampling"
+    JitSpec("norm", 0.0, False).build_and_load()  # ninja found it up to date
+    JitSpec("decode", 0.0, True).build_and_load()  # prebuilt
+    after = sum(v for (t, _), v in metrics.cold_compiles().items() if t == "flashinfer")
+    assert after - before == 1 and [b["name"] for b in flashinfer.loads.builds] == ["sampling"]
+    assert flashinfer.loads.modules == {"sampling": "jit", "norm": "jit", "decode": "aot"}
 
 
 def test_explain_names_vllms_own_cache_key_factors(built, tmp_path):

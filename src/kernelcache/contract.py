@@ -222,6 +222,27 @@ POLL_S = Variable(
 PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to stderr", _flag)
 
 
+def _sizes(name: str, text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SpecError(f"{name}={text!r}: expected token counts like 16,512")
+    return tuple(sorted({int(p) for p in parts}))
+
+
+VLLM_SIZES = Variable[tuple[int, ...] | None](
+    "KERNELCACHE_VLLM_SIZES",
+    None,
+    "token counts run before vLLM's JIT monitor arms, instead of the generation's (the warm)",
+    _sizes,
+)
+VLLM_STATE_DIR = Variable[Path | None](
+    "KERNELCACHE_VLLM_STATE_DIR",
+    None,
+    "where each vLLM process writes what kernelcache's hooks saw in it (the warm reads it)",
+    _path,
+)
+
+
 SM_COUNT = Variable[int | None](
     "KERNELCACHE_SM_COUNT", None, "this node's GPU SM count, else the driver's", _sm_count
 )
@@ -270,6 +291,8 @@ class Settings:
     )
     poll_seconds: Annotated[float, POLL_S] = POLL_S.default
     progress: Annotated[bool, PROGRESS] = PROGRESS.default
+    vllm_sizes: Annotated[tuple[int, ...] | None, VLLM_SIZES] = VLLM_SIZES.default
+    vllm_state_dir: Annotated[Path | None, VLLM_STATE_DIR] = VLLM_STATE_DIR.default
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
     cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
     started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default

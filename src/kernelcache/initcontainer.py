@@ -12,8 +12,9 @@
 4. **The stamp against the pod**: the node's arch, the engine image and any factor the pod
    declares, this environment (``--check-env``, when the init-container runs in the serving
    image), and the GPU product for autotune results (``--policy``; ``stamp_policy``).
-5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied (a
-   vLLM cache also to the absolute root it was built at, ``toolchains.vllm``), and write
+5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied, let
+   each toolchain place or refuse the copy (``Toolchain.place``: vLLM's cache to the absolute
+   root it was built at, FlashInfer's modules checked against the warm's), and write
    ``kernelcache.env`` (what the serving container reads, ``envfile``) last, atomically.
 
 Fail closed: every failure raises a ``KernelCacheError`` subclass whose one-line message
@@ -21,8 +22,9 @@ names the factor or file, and the target directory then holds nothing that looks
 env file is removed first and only written after everything else succeeded, and a copy is
 renamed into place only when complete (``store.materialize``).
 
-Nothing here imports torch, a DSL, a toolchain or the Kubernetes client: the init-container
-image is slim and needs no API access.
+Nothing here imports torch, a DSL or the Kubernetes client: the init-container image is slim
+and needs no API access. Toolchains are reached through their hooks (``Toolchain.check_pod``,
+``Toolchain.place``), never by name.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from kernelcache.store import (
     materialize,
     verify,
 )
-from kernelcache.toolchains import vllm as vllm_root
+from kernelcache.toolchains import toolchains
 
 __all__ = [
     "Options",
@@ -120,7 +122,7 @@ class Outcome:
     materialize_seconds: float = 0.0
     dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    vllm_files: int = 0  # copied to the vLLM cache root the generation was built at
+    placed: dict[str, Any] = field(default_factory=dict)  # the toolchains' (Toolchain.place)
 
     @property
     def summary(self) -> str:
@@ -193,7 +195,8 @@ def run(
     result.raise_for_problems()
     manifest = result.manifest
     assert manifest is not None  # verify reports a problem whenever it has no manifest
-    vllm_root.check_env_root(manifest, os.environ if env is None else env)
+    for toolchain in toolchains():
+        toolchain.check_pod(manifest, os.environ if env is None else env)
     check_stamp(
         manifest,
         key,
@@ -216,8 +219,8 @@ def run(
     if target is not None:
         started = time.monotonic()
         outcome.materialized = _materialize(gen_dir, manifest, target, dropped, options.workers)
-        if (root := vllm_root.recorded_root(manifest)) is not None:
-            outcome.vllm_files = vllm_root.place(outcome.materialized, manifest, root, dropped)
+        for toolchain in toolchains():
+            outcome.placed.update(toolchain.place(outcome.materialized, manifest, dropped))
         outcome.materialize_seconds = time.monotonic() - started
         _commit(target, options.policy, outcome)
     return outcome
@@ -310,8 +313,7 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         "verify_seconds": round(outcome.verify_seconds, 3),
         "materialize_seconds": round(outcome.materialize_seconds, 3),
     }
-    if (root := vllm_root.recorded_root(outcome.manifest)) is not None:
-        report.update(vllm_cache_root=str(root), vllm_files=outcome.vllm_files)
+    report.update(outcome.placed)
     values: dict[contract.Variable[Any], str] = {
         contract.DIR: str(outcome.materialized),
         contract.NAME: CacheKey.parse(outcome.key).cache,

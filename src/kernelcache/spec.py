@@ -302,6 +302,11 @@ class VllmWorkload(BaseModel):
     skip_tokenizer_init: bool = Field(
         default=False, description="For a model directory without a tokenizer."
     )
+    attention_backend: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z0-9_]+$",
+        description="vLLM's --attention-backend (FLASHINFER, FLASH_ATTN, ...); unset: vLLM picks.",
+    )
     compilation_config: dict[str, Any] = Field(
         default_factory=dict, description="vLLM's --compilation-config, as JSON."
     )
@@ -353,6 +358,7 @@ class VllmWorkload(BaseModel):
             "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "skip_tokenizer_init": self.skip_tokenizer_init,
+            "attention_backend": self.attention_backend,
             "compilation_config": self.compilation_config or None,
         }
         return {name: value for name, value in args.items() if value is not None}

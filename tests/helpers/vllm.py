@@ -3,10 +3,14 @@ KernelCache, and a warm and a verify through the real CLI; shared by the CPU and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,23 @@ MODEL = REPO / "bench" / "qwen3-moe-tiny"
 ARCH = "sm_90a"
 
 KEY = f"default/vq/{ARCH}"
+
+PRODUCT = "NVIDIA H200"
+
+PTH = REPO / "src" / "zz_kernelcache_runtime.pth"
+
+
+@contextlib.contextmanager
+def runtime_hook() -> Iterator[None]:
+    """The runtime's ``.pth`` hook in this interpreter's site-packages, as an installed
+    kernelcache has it, so every process ``vllm serve`` starts loads the runtime (inert unless
+    ``KERNELCACHE_RUNTIME=1``); removed after."""
+    installed = Path(sysconfig.get_path("purelib")) / f"zz_test_vllm_{os.getpid()}_{PTH.name}"
+    shutil.copy(PTH, installed)
+    try:
+        yield
+    finally:
+        installed.unlink()
 
 
 def workload(root: Path | str, **changes: Any) -> dict[str, Any]:
@@ -46,14 +67,16 @@ def vllm_doc(root: Path | str, **changes: Any) -> dict[str, Any]:
 def fake_env(**overrides: str) -> dict[str, str]:
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE_VLLM), env["PYTHONPATH"]])
-    return {**env, "KERNELCACHE_ARCH": ARCH, **overrides}
+    env["PATH"] = os.pathsep.join([str(FAKE_VLLM / "bin"), env.get("PATH", "")])  # its GPU
+    return {**env, "KERNELCACHE_ARCH": ARCH, "KERNELCACHE_GPU_PRODUCT": PRODUCT, **overrides}
 
 
 PLAN = {"prompt_lengths": [5, 300, 1500], "batch_sizes": [1, 3], "max_tokens": 4}
 
 
 def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, dict, str]:
-    """One engine process, as bench/vllm_coldstart.py runs it: (rc, result, stderr)."""
+    """One ``vllm serve`` and its sweep, as bench/vllm_coldstart.py runs it: (rc, result,
+    the server's output)."""
     job = {
         "engine": {"model": str(MODEL), "max_num_batched_tokens": 512},
         "sweep": PLAN,
@@ -75,11 +98,11 @@ def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, d
 
 
 def verify(
-    built: dict[str, Path], target: Path, env: dict[str, str]
+    built: dict[str, Path], target: Path, env: dict[str, str], *extra: str
 ) -> subprocess.CompletedProcess:
     """The init-container's command, in the serving image (here: with this engine)."""
     return subprocess.run(
         [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
-         "--key", KEY, "--check-env", "--materialize", str(target)],
+         "--key", KEY, "--check-env", "--materialize", str(target), *extra],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

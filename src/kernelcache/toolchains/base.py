@@ -89,6 +89,15 @@ class Toolchain:
     def check_generation(self, manifest: Manifest, strict: bool) -> None:
         """Refuse (strict) or warn about a generation this process cannot use as laid out."""
 
+    def check_pod(self, manifest: Manifest, environ: Mapping[str, str]) -> None:
+        """Refuse, in the init-container, a pod environment the generation cannot serve."""
+
+    def place(self, copy: Path, manifest: Manifest, dropped: Sequence[str]) -> dict[str, Any]:
+        """In the init-container, after the generation was copied to ``copy`` (``dropped``
+        left out): put what must live elsewhere in place, or refuse a copy this toolchain
+        could not serve from. Returns what to add to the verify report."""
+        return {}
+
     def observe(self, serving: Serving) -> None:
         """Count this toolchain's compiles in serving (refuse them when strict), installed
         when the application imports the toolchain (``runtime.imports.when_imported``)."""

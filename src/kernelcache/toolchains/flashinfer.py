@@ -41,7 +41,8 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -449,6 +450,47 @@ def _shown(path: Path) -> str:
 # ------------------------------------------------------------------------------ serving
 
 
+@dataclass
+class Loads:
+    """The FlashInfer modules this process loaded (``JitSpec.build_and_load``), and built."""
+
+    modules: dict[str, str] = field(default_factory=dict)  # name -> "aot" | "jit"
+    builds: list[dict[str, Any]] = field(default_factory=list)  # real builds: name, seconds
+
+
+loads = Loads()
+
+
+def watch_jit(module: Any, noop_threshold: float = NOOP_SECONDS) -> None:
+    """Record every module ``JitSpec.build_and_load`` loads, and count the real builds.
+
+    FlashInfer 0.6.x writes no build log, so this is where its nvcc builds are seen: a
+    ``build`` (ninja) that takes ``noop_threshold`` or more is a build (metrics and
+    ``loads.builds``), a faster one found the module up to date. The modules loaded are
+    what a warm records: serving with ``FLASHINFER_DISABLE_JIT`` needs each one prebuilt.
+    """
+    spec_class = module.JitSpec
+    build, build_and_load = spec_class.build, spec_class.build_and_load
+
+    def build_timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = build(self, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        if seconds >= noop_threshold:
+            loads.builds.append({"name": self.name, "seconds": round(seconds, 3)})
+            metrics.record_compile("flashinfer", self.name, seconds)
+        return result
+
+    def build_and_load_recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        aot = bool(self.is_aot)
+        result = build_and_load(self, *args, **kwargs)
+        loads.modules.setdefault(self.name, "aot" if aot else "jit")
+        return result
+
+    spec_class.build = build_timed
+    spec_class.build_and_load = build_and_load_recorded
+
+
 class BuildLogTail:
     """Counts the module builds that FlashInfer logs to ``FLASHINFER_JIT_BUILD_LOG``.
 
@@ -485,12 +527,22 @@ class BuildLogTail:
             record = build_record(line, self.min_seconds)
             if record is None or record.pid != self.pid:
                 continue
+            if not record.noop and any(b["name"] == record.name for b in loads.builds):
+                continue  # counted where it was built (watch_jit)
             if record.noop:
                 metrics.record_hit("flashinfer")
             else:
                 metrics.record_compile("flashinfer", record.name, record.seconds)
 
     def start(self, interval: float) -> threading.Thread:
+        """Poll in a thread; a forked child (vLLM's engine core) gets a tail of its own, for
+        its own builds, since a fork keeps no thread but the caller's."""
+
+        def in_child() -> None:
+            child = BuildLogTail(self.path, self.min_seconds)
+            child.start(interval)
+
+        os.register_at_fork(after_in_child=in_child)
         return poll_forever(self.poll, interval, "kernelcache-flashinfer-log")
 
 
@@ -518,7 +570,38 @@ def aot_modules_dir(files: Path) -> Path | None:
     return aot if aot.is_dir() and any(aot.iterdir()) else None
 
 
+def recorded_modules(manifest: Manifest) -> list[str]:
+    """The FlashInfer modules a generation's warmers recorded as loaded (a vllm warm's
+    ``flashinfer_modules``): each must be prebuilt in its AOT layout."""
+    warmers = manifest.report.get("warmers")
+    return sorted(
+        {
+            name
+            for report in (warmers if isinstance(warmers, list) else ())
+            if isinstance(report, Mapping)
+            for name in report.get("flashinfer_modules") or ()
+            if isinstance(name, str)
+        }
+    )
+
+
 class FlashInfer(Toolchain):
+    def place(self, copy: Path, manifest: Manifest, dropped: Sequence[str]) -> dict[str, Any]:
+        """Refuse a copy lacking a module the warm loaded: with ``FLASHINFER_DISABLE_JIT`` it
+        would fail at the first request that needs it, not at start-up."""
+        from kernelcache.store import FILES_DIR
+
+        modules = recorded_modules(manifest)
+        aot = copy / FILES_DIR / SUBDIR / AOT_SUBDIR
+        if lost := [m for m in modules if not (aot / m / f"{m}.so").is_file()]:
+            raise StorageError(
+                f"{copy}: FlashInfer module {lost[0]} that the warm loaded is not in the "
+                f"generation ({SUBDIR}/{AOT_SUBDIR}/{lost[0]}/{lost[0]}.so): FlashInfer with "
+                "JIT disabled would fail the first request needing it; rebuild the generation",
+                path=str(aot / lost[0]),
+            )
+        return {"flashinfer_modules": len(modules)} if modules else {}
+
     def serving_env(self, serving: Serving, files: Path) -> dict[str, str]:
         strict = serving.config.strict and aot_modules_dir(files) is not None
         return serving_env(
@@ -530,6 +613,8 @@ class FlashInfer(Toolchain):
         aot = aot_modules_dir(serving.files) if serving.files is not None else None
         if aot is not None:
             when_imported("flashinfer.jit.env", lambda _: use_aot_dir(aot))
+        threshold = config.flashinfer_min_build_seconds
+        when_imported("flashinfer.jit.core", lambda module: watch_jit(module, threshold))
         build_log = config.flashinfer_build_log
         if build_log is None and importlib.util.find_spec("flashinfer") is not None:
             build_log = default_build_log(config.strict)

@@ -43,17 +43,20 @@ Nothing here imports vLLM: each hook is installed when vLLM's own module is impo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,9 +86,11 @@ WARMUP_SUBDIR = "vllm-warmup"
 WARMUP_FILE = f"{WARMUP_SUBDIR}/sizes.json"
 MARKER = ".kernelcache-vllm-root"
 ENV = "VLLM_CACHE_ROOT"
+PLAN_DIR = "startup_plan"  # vLLM's startup plans under its cache root, one per fingerprint
 TOOLCHAIN_DIRS = (triton.SUBDIR, inductor.CACHE_SUBDIR, flashinfer.SUBDIR)
-# Set by vLLM's own warm-up; left as vLLM chooses them unless the spec's env says otherwise.
-ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Set for every engine pass unless the spec's env says otherwise: no hub, and vLLM's startup
+# plan recorded (the compile Job's measured KV-cache size, applied in serving).
+ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_STARTUP_PLAN": "1"}
 _RUNNERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
 
 
@@ -97,6 +102,11 @@ class VllmReport(WarmerReport):
     preload_sizes: list[int] = field(default_factory=list)
     compiled_by_toolchain: dict[str, dict[str, float]] = field(default_factory=dict)
     cache_key_factors: dict[str, Any] = field(default_factory=dict)
+    # FlashInfer's modules the engine loaded, each laid out prebuilt under files/flashinfer/aot
+    # (the init-container refuses a generation lacking one) for the arch list the warm used.
+    flashinfer_modules: list[str] = field(default_factory=list)
+    arch_list: str = ""
+    startup_plans: list[str] = field(default_factory=list)  # under files/vllm/startup_plan
 
 
 class VllmWarmer(Warmer):
@@ -126,6 +136,9 @@ class VllmWarmer(Warmer):
             **make_cache_dirs(files_dir, cache_env()),
             ENV: str(Path(self.workload.cache_root)),
             "CUTE_DSL_ARCH": arch,
+            "FLASHINFER_CUDA_ARCH_LIST": self.config.env.get(
+                "FLASHINFER_CUDA_ARCH_LIST", flashinfer.cuda_arch_list(arch)
+            ),
         }
 
     def produce(self, files_dir: Path, arch: str, report: VllmReport) -> None:
@@ -134,10 +147,18 @@ class VllmWarmer(Warmer):
         claim(root)
         env = dict(os.environ)
         sizes: set[int] = set()
+        modules: set[str] = set()
         for index in range(workload.max_passes):
             serving = index > 0
             result = run_pass(workload, env, sorted(sizes), serving, self.config.timeout_seconds)
             report.passes.append(pass_summary(result))
+            if not any(p["armed"] and not p["server"] for p in result["processes"]):
+                raise WarmError(
+                    f"{self.label}: kernelcache's hooks did not run in vLLM's engine core "
+                    "process (install kernelcache into vLLM's interpreter: its .pth hook "
+                    "loads the runtime in every process vllm serve starts)"
+                )
+            modules.update(result["flashinfer_modules"])
             if not serving:
                 report.kernels = sorted({k for _, k in _compiled(result)})
                 report.compiled = len(_compiled(result))
@@ -159,6 +180,8 @@ class VllmWarmer(Warmer):
                 f"(e.g. {seen[0] if seen else '?'}); declare fewer shapes or more maxPasses"
             )
         report.preload_sizes = sorted(sizes)
+        report.arch_list = env.get("FLASHINFER_CUDA_ARCH_LIST", "")
+        report.flashinfer_modules = keep_flashinfer_modules(files_dir, sorted(modules))
         self._keep(files_dir, root, report)
 
     def _keep(self, files_dir: Path, root: Path, report: VllmReport) -> None:
@@ -170,6 +193,23 @@ class VllmWarmer(Warmer):
         sizes_file.parent.mkdir(parents=True, exist_ok=True)
         sizes_file.write_text(json.dumps({"sizes": report.preload_sizes}) + "\n")
         report.cache_key_factors = cache_key_factors(target)
+        report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
+
+
+def keep_flashinfer_modules(files_dir: Path, modules: list[str]) -> list[str]:
+    """Lay out the FlashInfer modules vLLM built in the warm as FlashInfer loads prebuilt ones
+    (``files/flashinfer/aot/<name>/<name>.so``: see ``toolchains.flashinfer``), so serving
+    runs with ``FLASHINFER_DISABLE_JIT=1``; a loaded module with no library fails the warm."""
+    base = files_dir / flashinfer.SUBDIR
+    built: list[str] = []
+    for jit_dir in sorted(base.glob(f".cache/flashinfer/*/*/{flashinfer.JIT_SUBDIR}")):
+        built += flashinfer.aot_layout(jit_dir.parent, base / flashinfer.AOT_SUBDIR)
+    if lost := [m for m in modules if m not in built]:
+        raise WarmError(
+            f"vllm warmer: FlashInfer module {lost[0]} was loaded but no library of it was "
+            f"built under {flashinfer.SUBDIR}/.cache (built: {', '.join(built) or 'none'})"
+        )
+    return modules
 
 
 def _compiled(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -189,14 +229,32 @@ def cache_key_factors(tree: Path) -> dict[str, Any]:
 
 
 def pass_summary(result: dict[str, Any]) -> dict[str, Any]:
-    keep = ("serving", "ready_seconds", "sweep_seconds", "torch_compile_seconds")
+    keep = (
+        "serving",
+        "ready_seconds",
+        "import_seconds",
+        "sweep_seconds",
+        "torch_compile_seconds",
+        "processes",
+        "startup_plan",
+        "flashinfer_modules",
+        "flashinfer_builds",
+    )
     summary = {name: result.get(name) for name in keep}
     summary.update(
         jit_events=result["jit_events"],
         cold_compiles=result["cold_compiles"],
         preload_seconds=result.get("preload_seconds", 0.0),
+        outputs_digest=outputs_digest(result["outputs"]),
     )
     return summary
+
+
+def outputs_digest(outputs: Mapping[str, Any]) -> str:
+    """The sweep's tokens as one digest: a served start is compared with the warm's cold pass."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def sweep_plan(workload: VllmWorkload) -> dict[str, Any]:
@@ -250,11 +308,13 @@ def run_pass(
             raise WarmError(f"vllm warmer: an engine pass ran past {timeout} s") from exc
         sys.stderr.write(proc.stderr)  # the engine's own log, after the fact
         result_path = Path(job["result"])
-        if proc.returncode != 0 or not result_path.exists():
+        result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if proc.returncode != 0 or not result:
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            said = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+            said = result.get("sweep_error") or (
+                lines[-1].strip() if lines else f"exit status {proc.returncode}"
+            )
             raise WarmError(f"vllm warmer: engine pass failed: {said}")
-        result: dict[str, Any] = json.loads(result_path.read_text())
     result["serving"] = serving
     return result
 
@@ -262,92 +322,229 @@ def run_pass(
 # ---------------------------------------------------------------------------- one engine
 
 
-def prompts_for(length: int, batch: int) -> list[dict[str, list[int]]]:
+def prompts_for(length: int, batch: int) -> list[list[int]]:
     """``batch`` prompts of ``length`` token ids, the same in every process."""
     import random
 
     rng = random.Random(length * 100_003 + batch)
-    return [
-        {"prompt_token_ids": [rng.randrange(10, 30_000) for _ in range(length)]}
-        for _ in range(batch)
-    ]
+    return [[rng.randrange(10, 30_000) for _ in range(length)] for _ in range(batch)]
 
 
-class _KeepLines(logging.Handler):
-    """vLLM's log lines with their time since the process started (vLLM's own breakdown)."""
-
-    def __init__(self, started: float) -> None:
-        super().__init__(level=logging.INFO)
-        self.started = started
-        self.lines: list[tuple[float, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((round(record.created - self.started, 3), record.getMessage()))
+def serve_command(engine: Mapping[str, Any], port: int) -> list[str]:
+    """``vllm serve`` with the engine arguments as its flags (``dtype`` -> ``--dtype``)."""
+    args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(engine["model"])]
+    args += ["--host", "127.0.0.1", "--port", str(port)]
+    for name, value in engine.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "model" or value is False or value is None:
+            continue
+        if value is True:
+            args.append(flag)
+        else:
+            args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return args
 
 
 _TORCH_COMPILE = re.compile(r"torch\.compile took ([0-9.]+) s in total")
 
 
-def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
-    """Start the engine, sweep the declared shapes, and say what it took and compiled."""
-    if job["runtime"] == "serving":  # as the serving image's .pth hook does
-        from kernelcache.runtime import autoinstall
+class _Server:
+    """``vllm serve`` in its own process group, its output kept with the time of each line."""
 
-        autoinstall()
-    elif job["runtime"] == "warm":
-        triton.watch(strict=False)
-        inductor.observe_torch(None, strict=False)
-        watch(job["preload"], strict=False)
-    else:  # an engine of its own: only vLLM's monitor is counted
-        watch([], strict=False)
-    import vllm
+    def __init__(self, command: list[str], env: dict[str, str], started: float) -> None:
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.started = started
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-    imported = time.time()
-    logs = _KeepLines(started)
-    logging.getLogger("vllm").addHandler(logs)
-    llm = vllm.LLM(**job["engine"])
-    ready = time.time()
-    params = vllm.SamplingParams(
-        max_tokens=job["sweep"]["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            sys.stderr.write(line)
+            self.lines.append((round(time.time() - self.started, 3), line.rstrip()))
+
+    def stop(self) -> None:
+        """SIGINT as a pod's stop sends SIGTERM; then the whole group, so no engine lingers."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.reader.join(timeout=10)
+
+
+def _request(port: int, path: str, body: Mapping[str, Any] | None, timeout: float) -> Any:
+    """One HTTP request to the server; the JSON answer, or an OSError naming vLLM's reason."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
     )
-    outputs: dict[str, list[list[int]]] = {}
-    error = None
-    first_generate = None
-    sweep_start = time.time()
     try:
-        for length in job["sweep"]["prompt_lengths"]:
-            for batch in job["sweep"]["batch_sizes"]:
-                t = time.time()
-                done = llm.generate(prompts_for(length, batch), params, use_tqdm=False)
-                first_generate = first_generate or round(time.time() - t, 3)
-                outputs[f"{length}x{batch}"] = [list(o.outputs[0].token_ids) for o in done]
-    except Exception as exc:  # vLLM's monitor in error mode raises here
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            text = answer.read()
+    except urllib.error.HTTPError as exc:
+        said = exc.read().decode(errors="replace")
+        raise OSError(f"HTTP {exc.code} from {path}: {' '.join(said.split())[:300]}") from None
+    return json.loads(text) if text.strip() else None
+
+
+def _complete(port: int, model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """One completion request for a batch of prompts (vLLM schedules them together)."""
+    answer = _request(
+        port,
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=600,
+    )
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [list(c.get("token_ids") or []) for c in choices]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
+    """``vllm serve`` with the job's engine, ready once ``/health`` answers 200 and a completion
+    succeeds; then the declared sweep, one batched completion per (prompt length, batch size).
+
+    kernelcache's hooks run inside vLLM's processes (the API server and the engine core,
+    where the model runs), installed by the runtime's ``.pth`` hook (``KERNELCACHE_RUNTIME=1``);
+    each process writes what they saw to ``KERNELCACHE_VLLM_STATE_DIR`` (``dump``), read here.
+    ``runtime``: ``serving`` (the environment given: a pod's), ``warm`` (no generation; the
+    sizes recorded so far run before the monitor arms), ``none`` (vLLM alone, only counted).
+    """
+    from kernelcache import contract
+
+    state_dir = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-state-"))
+    env = {**os.environ, contract.RUNTIME.name: "1", contract.VLLM_STATE_DIR.name: str(state_dir)}
+    if job["runtime"] != "serving":
+        for variable in (contract.DIR, contract.ENV_FILE_PATH, contract.STRICT):
+            env.pop(variable.name, None)
+        env[contract.VLLM_SIZES.name] = ",".join(str(n) for n in job["preload"])
+    engine, sweep = job["engine"], job["sweep"]
+    port = _free_port()
+    server = _Server(serve_command(engine, port), env, started)
+    error, ready, first_generate = None, None, None
+    outputs: dict[str, list[list[int]]] = {}
+    try:
+        first_generate = _wait_ready(server, port, str(engine["model"]), job.get("ready_timeout"))
+        ready = time.time()
+        for length in sweep["prompt_lengths"]:
+            for batch in sweep["batch_sizes"]:
+                tokens = _complete(
+                    port, str(engine["model"]), prompts_for(length, batch), sweep["max_tokens"]
+                )
+                outputs[f"{length}x{batch}"] = tokens
+    except (OSError, ValueError, KeyError, TimeoutError) as exc:  # the engine died, or refused
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
     finished = time.time()
-    compiles = {f"{t}/{k}": v for (t, k), v in metrics.cold_compiles().items()}
-    by_toolchain: dict[str, dict[str, float]] = {}
-    seconds = metrics.compile_seconds()
-    for (toolchain, _), count in metrics.cold_compiles().items():
-        entry = by_toolchain.setdefault(toolchain, {"compiled": 0, "seconds": 0.0})
-        entry["compiled"] += count
-        entry["seconds"] = round(seconds.get(toolchain, 0.0), 3)
-    compile_lines = [float(m[1]) for _, line in logs.lines if (m := _TORCH_COMPILE.search(line))]
+    server.stop()
+    seen = read_states(state_dir, server.proc.pid)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    compile_lines = [float(m[1]) for _, line in server.lines if (m := _TORCH_COMPILE.search(line))]
+    imported = seen.get("vllm_imported_at")
     return {
-        "import_seconds": round(imported - started, 3),
+        **seen,
+        "import_seconds": round(imported - started, 3) if imported else None,
         "ready_at": ready,
-        "ready_seconds": round(ready - started, 3),
+        "ready_seconds": round(ready - started, 3) if ready else None,
         "first_generate_seconds": first_generate,
-        "sweep_seconds": round(finished - sweep_start, 3),
+        "sweep_seconds": round(finished - ready, 3) if ready else None,
         "torch_compile_seconds": round(sum(compile_lines), 3) if compile_lines else None,
-        "monitor_mode": state.monitor_mode,
-        "preload_sizes": state.sizes,
-        "preload_seconds": state.preload_seconds,
-        "jit_events": state.events,
-        "cold_compiles": compiles,
-        "compiled_by_toolchain": by_toolchain,
+        "server_pid": server.proc.pid,
+        "server_exit": server.proc.returncode,
         "sweep_error": error,
         "outputs": outputs,
-        "log": logs.lines,
+        "log": server.lines,
+    }
+
+
+def _wait_ready(server: _Server, port: int, model: str, timeout: float | None) -> float:
+    """Until ``/health`` answers 200, then one completion; the seconds that one took."""
+    limit = time.monotonic() + (timeout or 1800)
+    while True:
+        if server.proc.poll() is not None:
+            said = [line for _, line in server.lines if line.strip()]
+            raise OSError(
+                f"vllm serve exited ({server.proc.returncode}) before it was ready: "
+                f"{said[-1] if said else 'no output'}"
+            )
+        try:
+            _request(port, "/health", None, timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > limit:
+                raise TimeoutError("vllm serve did not answer /health in time") from None
+            time.sleep(0.2)
+    start = time.time()
+    _complete(port, model, [[11]], 1)
+    return round(time.time() - start, 3)
+
+
+def read_states(directory: Path, server_pid: int) -> dict[str, Any]:
+    """What every vLLM process's hooks wrote (``dump``), merged: events, compiles and the
+    monitor's arming from all of them, which process armed it (the engine core)."""
+    states = []
+    for path in sorted(directory.glob("vllm-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            states.append(json.loads(path.read_text()))
+    compiles: dict[str, float] = {}
+    by_toolchain: dict[str, dict[str, float]] = {}
+    for one in states:
+        for name, count in one["cold_compiles"].items():
+            compiles[name] = compiles.get(name, 0) + count
+        for toolchain, entry in one["compiled_by_toolchain"].items():
+            total = by_toolchain.setdefault(toolchain, {"compiled": 0, "seconds": 0.0})
+            total["compiled"] += entry["compiled"]
+            total["seconds"] = round(total["seconds"] + entry["seconds"], 3)
+    armed = [one for one in states if one["monitor_mode"] is not None]
+    engine = armed[0] if armed else {}
+    imported = [one["vllm_imported_at"] for one in states if one.get("vllm_imported_at")]
+    return {
+        "processes": [
+            {
+                "pid": one["pid"],
+                "server": one["pid"] == server_pid,
+                "armed": one["monitor_mode"] is not None,
+            }
+            for one in states
+        ],
+        "monitor_mode": engine.get("monitor_mode"),
+        "preload_sizes": engine.get("sizes", []),
+        "preload_seconds": engine.get("preload_seconds", 0.0),
+        "startup_plan": engine.get("startup_plan"),
+        "jit_events": [event for one in states for event in one["events"]],
+        "cold_compiles": compiles,
+        "compiled_by_toolchain": by_toolchain,
+        "flashinfer_modules": sorted({m for one in states for m in one["flashinfer_modules"]}),
+        "flashinfer_builds": [b for one in states for b in one["flashinfer_builds"]],
+        "vllm_imported_at": min(imported) if imported else None,
     }
 
 
@@ -364,7 +561,7 @@ def main(argv: list[str]) -> int:
 
 @dataclass
 class State:
-    """What the hooks saw in this process (read by the warmer's passes and the benchmark)."""
+    """What the hooks saw in this process, written to ``state_dir`` for the warm and bench."""
 
     sizes: list[int] = field(default_factory=list)  # token counts run before the monitor arms
     strict: bool = False
@@ -374,6 +571,11 @@ class State:
     events: list[dict[str, Any]] = field(default_factory=list)
     forward_tokens: int | None = None  # tokens of the forward running now
     worker: Any = None  # the worker warming up, until it has
+    startup_plan: dict[str, Any] | None = None  # whether vLLM applied its startup plan
+    state_dir: Path | None = None
+    vllm_imported_at: float | None = None
+    compiles_at_fork: dict[tuple[str, str], float] = field(default_factory=dict)
+    dumped: tuple[Any, ...] = ()
 
 
 state = State()
@@ -388,13 +590,83 @@ def read_sizes(files: Path) -> list[int]:
     return sorted({int(n) for n in sizes if isinstance(n, int) and n > 0})
 
 
-def watch(sizes: list[int], strict: bool, expected_model: str | None = None) -> None:
-    """Install the hooks when vLLM's modules are imported (at once where they already are)."""
+def watch(
+    sizes: list[int],
+    strict: bool,
+    expected_model: str | None = None,
+    state_dir: Path | None = None,
+) -> None:
+    """Install the hooks when vLLM's modules are imported (at once where they already are).
+
+    vLLM's engine core is a process of its own (forked by ``vllm serve``, or spawned, when
+    the runtime's ``.pth`` hook installs these again): the hooks work wherever the model
+    runs, and each process writes what it saw to ``state_dir`` under its own pid.
+    """
     state.sizes, state.strict, state.expected_model = sorted(set(sizes)), strict, expected_model
+    state.state_dir = state_dir
+    os.register_at_fork(after_in_child=_forked)
+    when_imported("vllm.engine.arg_utils", _imported)
     when_imported("vllm.utils.jit_monitor", _hook_monitor)
-    when_imported("vllm.v1.worker.gpu_worker", lambda module: _hook_worker(module.Worker))
+    when_imported("vllm.v1.worker.gpu_worker", _hook_worker_module)
     for name in _RUNNERS:
         when_imported(name, lambda module: _hook_runner(module.GPUModelRunner))
+
+
+def _imported(module: Any) -> None:
+    state.vllm_imported_at = state.vllm_imported_at or time.time()
+
+
+def _forked() -> None:
+    """A forked child counts from here: what the parent counted is the parent's."""
+    state.compiles_at_fork = dict(metrics.cold_compiles())
+    state.events, state.dumped = [], ()
+
+
+def dump(force: bool = False) -> None:
+    """This process's state to ``state_dir/vllm-<pid>.json``, when it changed (atomically)."""
+    if state.state_dir is None:
+        return
+    compiles = {
+        key: count - state.compiles_at_fork.get(key, 0)
+        for key, count in metrics.cold_compiles().items()
+        if count - state.compiles_at_fork.get(key, 0) > 0
+    }
+    loaded = flashinfer.loads
+    signature = (
+        len(state.events),
+        sum(compiles.values()),
+        state.monitor_mode,
+        bool(state.startup_plan),
+        len(loaded.modules),
+        len(loaded.builds),
+    )
+    if signature == state.dumped and not force:
+        return
+    seconds = metrics.compile_seconds()
+    by_toolchain: dict[str, dict[str, float]] = {}
+    for (toolchain, _), count in compiles.items():
+        entry = by_toolchain.setdefault(toolchain, {"compiled": 0, "seconds": 0.0})
+        entry["compiled"] += count
+        entry["seconds"] = round(seconds.get(toolchain, 0.0), 3)
+    data = {
+        "pid": os.getpid(),
+        "vllm_imported_at": state.vllm_imported_at,
+        "monitor_mode": state.monitor_mode,
+        "sizes": state.sizes,
+        "preload_seconds": state.preload_seconds,
+        "events": state.events,
+        "startup_plan": state.startup_plan,
+        "cold_compiles": {f"{t}/{k}": v for (t, k), v in compiles.items()},
+        "compiled_by_toolchain": by_toolchain,
+        "flashinfer_modules": sorted(loaded.modules),
+        "flashinfer_builds": loaded.builds,
+    }
+    path = state.state_dir / f"vllm-{os.getpid()}.json"
+    with contextlib.suppress(OSError):
+        state.state_dir.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(data))
+        os.replace(path.with_suffix(".tmp"), path)
+    state.dumped = signature
 
 
 def _hook_monitor(module: Any) -> None:
@@ -406,19 +678,22 @@ def _hook_monitor(module: Any) -> None:
             preload(worker.model_runner, state.sizes)
         state.monitor_mode = "error" if state.strict else mode
         activate(mode=state.monitor_mode, verbose=verbose)
+        dump()
 
     def handle_counted(
         *, backend: str, event: str, fn_name: str, detail: str | None = None
     ) -> None:
         metrics.record_vllm_jit_event(backend, fn_name)
         state.events.append({"backend": backend, "kernel": fn_name, "tokens": state.forward_tokens})
+        dump()
         handle(backend=backend, event=event, fn_name=fn_name, detail=detail)
 
     module.activate = activate_after_preload
     module._handle_jit_event = handle_counted
 
 
-def _hook_worker(worker_class: Any) -> None:
+def _hook_worker_module(module: Any) -> None:
+    worker_class = module.Worker
     warm_up, load_model = worker_class.compile_or_warm_up_model, worker_class.load_model
 
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -427,6 +702,7 @@ def _hook_worker(worker_class: Any) -> None:
             return warm_up(self, *args, **kwargs)
         finally:
             state.worker = None
+            dump()
 
     def load_model_checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         check_model(str(self.vllm_config.model_config.model))
@@ -434,6 +710,49 @@ def _hook_worker(worker_class: Any) -> None:
 
     worker_class.compile_or_warm_up_model = compile_or_warm_up_model
     worker_class.load_model = load_model_checked
+    if hasattr(module, "maybe_apply_startup_plan"):  # vLLM 0.26+
+        module.maybe_apply_startup_plan = _plan_checked(module.maybe_apply_startup_plan)
+
+
+def _plan_checked(apply: Any) -> Any:
+    """vLLM's ``maybe_apply_startup_plan``, then say whether the plan was applied: vLLM only
+    logs at INFO that a node with less free memory than the plan recorded profiles again."""
+
+    def apply_and_say(worker: Any) -> None:
+        apply(worker)
+        if os.environ.get("VLLM_ENABLE_STARTUP_PLAN") != "1":
+            return
+        plan_dir = Path(os.path.expanduser(os.environ.get(ENV, "~/.cache/vllm"))) / PLAN_DIR
+        plans = sorted(plan_dir.glob("startup_plan_*.json")) if plan_dir.is_dir() else []
+        applied = worker.cache_config.kv_cache_memory_bytes is not None
+        free = int(worker.init_snapshot.free_memory)
+        baselines = []
+        for path in plans:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                baselines.append(int(json.loads(path.read_text())["free_memory_baseline"]))
+        state.startup_plan = {
+            "applied": applied,
+            "plans": len(plans),
+            "free_bytes": free,
+            "baselines": baselines,
+        }
+        if plans and not applied:
+            lower = [b for b in baselines if free < b]
+            why = (
+                f"this GPU has {free / 2**30:.2f} GiB free, the plan recorded "
+                f"{min(lower) / 2**30:.2f} GiB"
+                if lower
+                else "no plan of the generation fits this engine's config and GPU"
+            )
+            state.startup_plan["reason"] = why
+            log.warning(
+                "kernelcache: vLLM's startup plan from the generation was not applied (%s): "
+                "vLLM profiles memory instead",
+                why,
+            )
+        dump()
+
+    return apply_and_say
 
 
 def check_model(model: str) -> None:
@@ -460,6 +779,7 @@ def _hook_runner(runner_class: Any) -> None:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
             state.forward_tokens = None
+            dump()
 
     runner_class.execute_model = execute_model
 
@@ -598,6 +918,16 @@ class Vllm(Toolchain):
             env.pop(ENV)
         return env
 
+    def check_pod(self, manifest: Manifest, environ: Mapping[str, str]) -> None:
+        check_env_root(manifest, environ)
+
+    def place(self, copy: Path, manifest: Manifest, dropped: Sequence[str]) -> dict[str, Any]:
+        """vLLM's tree back at the root it was built at (``place``)."""
+        root = recorded_root(manifest)
+        if root is None:
+            return {}
+        return {"vllm_cache_root": str(root), "vllm_files": place(copy, manifest, root, dropped)}
+
     def check_generation(self, manifest: Manifest, strict: bool) -> None:
         """vLLM reads its cache at the root it was built at: the init-container put it there."""
         root = recorded_root(manifest)
@@ -613,14 +943,22 @@ class Vllm(Toolchain):
         log.warning("kernelcache: %s; vLLM will compile what is missing", error.message)
 
     def observe(self, serving: Serving) -> None:
+        config = serving.config
         factors = serving.manifest.stamp.get("factors", {}) if serving.manifest else {}
-        sizes = read_sizes(serving.files) if serving.files is not None else []
-        watch(sizes, serving.config.strict, factors.get(MODEL_FACTOR))
+        if config.vllm_sizes is not None:
+            sizes = list(config.vllm_sizes)
+        else:
+            sizes = read_sizes(serving.files) if serving.files is not None else []
+        watch(sizes, config.strict, factors.get(MODEL_FACTOR), config.vllm_state_dir)
 
 
 TOOLCHAIN = Vllm(
     name="vllm",
     cache_env={ENV: SUBDIR},
+    # vLLM applies a startup plan only where its fingerprint (GPU name, total memory, ...)
+    # matches; kernelcache scopes the files to the GPU product as it does tuning.
+    serving_settings={"VLLM_ENABLE_STARTUP_PLAN": "1"},
+    tuning_prefixes=(f"{SUBDIR}/{PLAN_DIR}/",),
     warmers=(VllmWarmer,),
     requires=("vllm", "vllm"),
 )

@@ -4,6 +4,9 @@ from typing import Any
 
 from vllm.utils import jit_monitor
 
+# Kernels loaded in this process (Triton's in-memory cache is per process, not per rank).
+LOADED: set[str] = set()
+
 
 def kernel_for(num_tokens: int) -> str:
     block = 16 if num_tokens <= 64 else 128
@@ -11,9 +14,6 @@ def kernel_for(num_tokens: int) -> str:
 
 
 class GPUModelRunner:
-    def __init__(self) -> None:
-        self.loaded: set[str] = set()
-
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
         self._forward(scheduler_output.total_num_scheduled_tokens)
 
@@ -24,6 +24,6 @@ class GPUModelRunner:
 
     def _forward(self, num_tokens: int) -> None:
         kernel = kernel_for(num_tokens)
-        if kernel not in self.loaded:
-            self.loaded.add(kernel)
+        if kernel not in LOADED:
+            LOADED.add(kernel)
             jit_monitor.on_kernel_load(kernel)

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.startup_plan import maybe_apply_startup_plan, maybe_save_startup_plan
+
+log = logging.getLogger("vllm.worker")
 
 
 @dataclass
@@ -17,12 +22,25 @@ class _VllmConfig:
     model_config: _ModelConfig
 
 
+@dataclass
+class _CacheConfig:
+    kv_cache_memory_bytes: int | None = None
+
+
+@dataclass
+class _Snapshot:
+    free_memory: int
+
+
 class Worker:
     CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-    def __init__(self, model: str, root: Path, dtype: str) -> None:
-        self.dtype = dtype
+    def __init__(self, model: str, root: Path, dtype: str, rank: int = 0, world_size: int = 1):
+        self.dtype, self.rank, self.world_size = dtype, rank, world_size
         self.vllm_config = _VllmConfig(_ModelConfig(model))
+        self.cache_config = _CacheConfig()
+        free_gib = float(os.environ.get("FAKE_VLLM_FREE_GIB", "139.29"))
+        self.init_snapshot = _Snapshot(int(free_gib * 2**30))
         self.root = root
         self.model_runner = GPUModelRunner()
 
@@ -33,18 +51,26 @@ class Worker:
         """True when the cache was there; a cache written at another root crashes."""
         import vllm
 
-        path = vllm.cache_file(self.root)
+        path = vllm.cache_file(self.root, self.rank)
         if not path.exists():
-            vllm.write_cache(self.root, self.vllm_config.model_config.model, self.dtype)
+            vllm.write_cache(self.root, self.vllm_config.model_config.model, self.dtype, self.rank)
             return False
         artifact = Path(json.loads(path.read_text())["artifact"])
         if not artifact.exists():
             raise FileNotFoundError(f"compiled artifact {artifact} not found")
-        (self.root / "torch_compile_cache" / "torch_aot_compile").mkdir(exist_ok=True)
-        (self.root / "torch_compile_cache" / "torch_aot_compile" / "written-on-load").write_text(
-            "x"
-        )
+        aot = self.root / "torch_compile_cache" / "torch_aot_compile"
+        aot.mkdir(exist_ok=True)
+        (aot / f"written-on-load-{self.rank}").write_text("x")
         return True
+
+    def determine_available_memory(self) -> int:
+        maybe_apply_startup_plan(self)
+        if self.cache_config.kv_cache_memory_bytes is None:
+            log.info("Memory profiling takes 1.00 seconds")
+            kv_bytes = self.init_snapshot.free_memory // 2
+            maybe_save_startup_plan(self, kv_bytes)
+            return kv_bytes
+        return self.cache_config.kv_cache_memory_bytes
 
     def compile_or_warm_up_model(self) -> None:
         for size in self.CUDA_GRAPH_SIZES:
