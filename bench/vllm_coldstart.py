@@ -1,17 +1,30 @@
-"""vLLM start-up three ways, each a fresh process: cold, vLLM's own warm restart, and served
-from a kernelcache generation on "another node".
+"""``vllm serve`` start-up, each start a fresh API server and engine core: the compile Job,
+served starts from a kernelcache generation, and vLLM's own steady warm restarts.
 
-1. cold: empty caches; ready time and vLLM's own breakdown (from its log lines);
-2. warm restart: the same process again on the same directories (the anchor);
-3. ``kernelcache warm`` with the vllm warmer builds a generation (the compile Job), the
-   warm's cache root is removed, ``kernelcache verify --check-env --materialize`` (the
-   init-container's command) materializes it into a fresh directory and puts vLLM's tree back
-   at the fixed root, and the engine starts from it with ``jit_monitor_mode="error"``: ready
-   time, torch.compile time, files written, compile events counted by kernelcache and by
-   vLLM's monitor, a request sweep over the declared shapes, outputs against the cold run;
-4. (``--strict``) the same with ``KERNELCACHE_STRICT=1``.
+Stages, in order (each one's summary saved as it ends; ``--resume`` skips those saved):
 
-    python bench/vllm_coldstart.py --model DIR --work SCRATCH --out RESULT.json
+1. ``build``: ``kernelcache warm`` with the vllm warmer (every pass is ``vllm serve``); its
+   first pass is the cold start, whose tokens everything is compared with;
+2. ``verify``: the warm's cache root removed (another node, in effect), ``kernelcache verify
+   --check-env --materialize`` (the init-container's command) into a fresh directory;
+3. ``served_strict``: served with ``KERNELCACHE_STRICT=1`` (vLLM's monitor in ``error`` mode
+   and, with FlashInfer, ``FLASHINFER_DISABLE_JIT=1``), the declared sweep and one outside it;
+4. ``served_real``: the same generation (warmed with ``loadFormat: dummy``) serving real
+   safetensors weights with ``load_format=auto`` (``--real-weights``);
+5. ``served_less_memory``: another process holds GPU memory, so vLLM's startup plan does not
+   fit: vLLM profiles, the start succeeds, kernelcache says so;
+6. the anchors, interleaved with served starts: ``anchor_first`` (vLLM alone, its own cache
+   root, writes its startup plan), then ``anchor_1``, ``served_1``, ``plan_1``, ``anchor_2``,
+   ``served_2``, ``plan_2``: vLLM's steady warm restart without (``anchor_N``) and with
+   (``plan_N``) its startup plan, on the same node. With FlashInfer, vLLM alone gets the
+   generation's prebuilt modules as FlashInfer's own ``flashinfer_jit_cache`` package (its
+   best case: no nvcc, no ninja).
+
+Medians of ready and ready-minus-import (import alone is 10-15 s and noisy) go into
+``summary``; ``--budget-seconds`` stops before a stage that would not fit (``--resume``
+continues).
+
+    python bench/vllm_coldstart.py --model DIR --work SCRATCH --out RESULT.json [--flashinfer]
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -39,17 +53,15 @@ WORKLOAD: dict[str, Any] = {
     "batchSizes": [1, 3, 16, 64],
     "maxTokens": 8,
 }
+OUTSIDE = {"prompt_lengths": [1, 33, 777, 1500], "batch_sizes": [2, 5, 48], "max_tokens": 8}
 KEY = "default/vllm-bench"
+# Seconds a stage may take at most, for --budget-seconds.
+STAGE_SECONDS = {"build": 900, "anchor_first": 240}
+ANCHORS = ["anchor_first", "anchor_1", "served_1", "plan_1", "anchor_2", "served_2", "plan_2"]
 
 
-def files_under(*roots: Path) -> dict[str, int]:
-    return {
-        str(p): p.stat().st_size
-        for root in roots
-        if root.is_dir()
-        for p in root.rglob("*")
-        if p.is_file()
-    }
+def files_under(*roots: Path) -> set[str]:
+    return {str(p) for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
@@ -61,14 +73,14 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -
 
 
 def engine(work: Path, name: str, env: dict[str, str], job: dict[str, Any], log: Path) -> dict:
-    """One engine process (``kernelcache.toolchains.vllm``); ready counts from before its start."""
+    """One ``vllm serve`` (``kernelcache.toolchains.vllm``); ready counts from before its start."""
     job = {**job, "result": str(work / f"{name}.result.json")}
     job_path = work / f"{name}.job.json"
     job_path.write_text(json.dumps(job))
     started = time.time()
     env = {**env, "KERNELCACHE_STARTED_AT": repr(started)}
-    engine_cmd = [sys.executable, "-m", "kernelcache.toolchains.vllm", str(job_path)]
-    rc = run_logged(engine_cmd, env, log, 900)
+    rc = run_logged([sys.executable, "-m", "kernelcache.toolchains.vllm", str(job_path)], env,
+                    log, 900)  # fmt: skip
     result_path = Path(job["result"])
     if not result_path.exists():
         return {"stage": name, "rc": rc, "failed": "no result (see the log)"}
@@ -77,133 +89,283 @@ def engine(work: Path, name: str, env: dict[str, str], job: dict[str, Any], log:
     return result
 
 
-def summary(result: dict[str, Any], cold: dict[str, Any] | None) -> dict[str, Any]:
-    keys = (
-        "rc", "failed", "import_seconds", "ready_seconds", "torch_compile_seconds",
-        "first_generate_seconds", "sweep_seconds", "monitor_mode", "preload_seconds",
-        "sweep_error", "compiled_by_toolchain", "new_files",
-    )  # fmt: skip
-    out = {k: result[k] for k in keys if k in result}
-    out["jit_events"] = len(result.get("jit_events", []))
-    out["jit_event_kernels"] = sorted({e["kernel"] for e in result.get("jit_events", [])})
-    out["kernelcache_cold_compiles"] = sum(result.get("cold_compiles", {}).values())
-    if cold is not None and "outputs" in result:
-        out["outputs_identical_to_cold"] = result["outputs"] == cold.get("outputs")
-    out["breakdown"] = [
-        (t, line[:160])
-        for t, line in result.get("log", [])
-        if any(word in line for word in _BREAKDOWN)
-    ]
-    return out
-
-
 _BREAKDOWN = (
     "Resolved architecture", "Loading weights took", "Model loading took", "Dynamo bytecode",
     "Compiling a graph", "Directly load", "torch.compile took", "Memory profiling",
     "Graph capturing finished", "init engine", "JIT monitor activated", "kernelcache:",
-    "Available KV cache", "profiling",
+    "Available KV cache", "startup plan", "Startup plan", "FlashInfer", "flashinfer",
+    "Using AttentionBackend", "backend", "MissingJITCacheError", "Error", "error",
 )  # fmt: skip
+
+
+def summary(result: dict[str, Any], cold: dict[str, list] | None) -> dict[str, Any]:
+    keys = (
+        "rc", "failed", "import_seconds", "ready_seconds", "torch_compile_seconds",
+        "first_generate_seconds", "sweep_seconds", "monitor_mode", "preload_seconds",
+        "sweep_error", "compiled_by_toolchain", "new_files", "startup_plan", "processes",
+        "flashinfer_modules", "flashinfer_builds", "server_exit",
+    )  # fmt: skip
+    out = {k: result[k] for k in keys if k in result}
+    if result.get("ready_seconds") and result.get("import_seconds"):
+        out["ready_minus_import"] = round(result["ready_seconds"] - result["import_seconds"], 3)
+    out["jit_events"] = len(result.get("jit_events", []))
+    out["jit_event_kernels"] = sorted({e["kernel"] for e in result.get("jit_events", [])})
+    out["kernelcache_cold_compiles"] = sum(result.get("cold_compiles", {}).values())
+    outputs = result.get("outputs") or {}
+    if cold is not None and outputs:
+        shared = sorted(set(outputs) & set(cold))
+        out["outputs_compared"] = len(shared)
+        out["outputs_identical_to_cold"] = all(outputs[k] == cold[k] for k in shared)
+    out["breakdown"] = [
+        (t, line[:200]) for t, line in result.get("log", []) if any(w in line for w in _BREAKDOWN)
+    ][:80]
+    return out
+
+
+def jit_cache_package(target: Path, aot: Path) -> Path:
+    """FlashInfer's own ``flashinfer_jit_cache`` package, pointing at prebuilt modules: how
+    vLLM alone runs FlashInfer with no JIT (the anchors' best case)."""
+    package = target / "flashinfer_jit_cache"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        "from importlib.metadata import version as _v\n"
+        "__version__ = _v('flashinfer-python') + '+prebuilt'\n"
+        f"def get_jit_cache_dir():\n    return {str(aot)!r}\n"
+    )
+    return target
+
+
+def holding_gpu_memory(gib: float, flag: Path) -> subprocess.Popen:
+    """A co-tenant: a process that holds ``gib`` GiB of GPU memory until killed."""
+    code = (
+        "import torch, time, sys; x = torch.empty(int(float(sys.argv[1]) * 2**30), "
+        "dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); "
+        "open(sys.argv[2], 'w').close(); time.sleep(3600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(gib), str(flag)])
+    deadline = time.monotonic() + 120
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc
+
+
+def medians(stages: dict[str, Any]) -> dict[str, Any]:
+    groups = {
+        "served": ("served_strict", "served_1", "served_2"),  # the same strict start, 3 times
+        "anchor": ("anchor_1", "anchor_2"),  # vLLM's steady warm restart, no startup plan
+        "plan": ("plan_1", "plan_2"),  # vLLM's warm restart with its own startup plan
+    }
+
+    def of(names: tuple[str, ...], field: str) -> dict[str, Any]:
+        values = [stages[n][field] for n in names if n in stages and stages[n].get(field)]
+        return {"n": len(values), "median": round(statistics.median(values), 3)} if values else {}
+
+    found: dict[str, Any] = {
+        group: {f: of(names, f) for f in ("ready_seconds", "ready_minus_import")}
+        for group, names in groups.items()
+    }
+    served = found["served"]["ready_seconds"].get("median")
+    for anchor in ("anchor", "plan"):
+        theirs = found[anchor]["ready_seconds"].get("median")
+        if served and theirs:
+            found[f"served_over_{anchor}_ready"] = round(served / theirs, 3)
+        mine = found["served"]["ready_minus_import"].get("median")
+        other = found[anchor]["ready_minus_import"].get("median")
+        if mine and other:
+            found[f"served_over_{anchor}_ready_minus_import"] = round(mine / other, 3)
+    return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="model dir (config.json)")
-    parser.add_argument("--work", type=Path, required=True, help="scratch dir (emptied)")
+    parser.add_argument("--work", type=Path, required=True, help="scratch dir")
     parser.add_argument("--out", type=Path, required=True, help="result JSON")
     parser.add_argument("--log", type=Path, help="every process's output (default: beside out)")
     parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--strict", action="store_true", help="also serve with strict mode")
-    parser.add_argument("--skip-anchors", action="store_true", help="no cold/warm-restart runs")
+    parser.add_argument("--flashinfer", action="store_true", help="FLASHINFER backend+sampler")
+    parser.add_argument("--sampler-only", action="store_true", help="FlashInfer sampler only")
+    parser.add_argument("--real-weights", action="store_true", help="the model dir has them")
+    parser.add_argument("--resume", action="store_true", help="skip the stages already saved")
+    parser.add_argument("--budget-seconds", type=float, default=0, help="0: no limit")
+    parser.add_argument("--hold-gib", type=float, default=4.0, help="served_less_memory")
     args = parser.parse_args()
+    begun = time.monotonic()
     work = args.work.absolute()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    results: dict[str, Any] = {}
+    if args.resume and args.out.exists():
+        results = json.loads(args.out.read_text())
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     log = args.log or args.out.with_suffix(".log")
-    log.write_text("")
-    from kernelcache.toolchains.vllm import ENGINE_ENV, engine_job
+    from kernelcache.toolchains.vllm import ENGINE_ENV, engine_job, outputs_digest
 
     base = {**os.environ, **ENGINE_ENV}
     workload = {**WORKLOAD, "model": str(args.model.absolute())}
-
+    env_extra: dict[str, str] = {}
+    if args.flashinfer or args.sampler_only:
+        if not args.sampler_only:
+            workload["attentionBackend"] = "FLASHINFER"
+        env_extra["VLLM_USE_FLASHINFER_SAMPLER"] = "1"
+    else:
+        env_extra["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    base.update(env_extra)
     job = engine_job(workload)
     engine_args, sweep = job["engine"], job["sweep"]
-    report: dict[str, Any] = {}
-    results: dict[str, Any] = {
-        "workload": workload, "started": time.strftime("%FT%TZ"), "report": report
-    }  # fmt: skip
+    stages: dict[str, Any] = results.setdefault("stages", {})
+    results.update(workload=workload, env=env_extra, started=results.get("started") or
+                   time.strftime("%FT%TZ"))  # fmt: skip
+    cold_path = work / "cold-outputs.json"
 
     def save() -> None:  # after every stage: a run cut short still says what it measured
+        results["summary"] = medians(stages)
         args.out.write_text(json.dumps(results, indent=1, default=str))
 
-    # 1-2. vLLM on its own: cold, then its own warm restart on the same directories.
-    anchor = {**base, "VLLM_CACHE_ROOT": str(work / "anchor-root")}
-    plain = {"engine": engine_args, "sweep": sweep, "runtime": "none", "preload": []}
-    cold = None
-    if not args.skip_anchors:
-        cold = engine(work, "cold", anchor, plain, log)
-        warm = engine(work, "warm_restart", anchor, plain, log)
-        report["cold"], report["warm_restart"] = summary(cold, None), summary(warm, cold)
-        results["cold"] = cold
-        save()
+    def fits(name: str) -> bool:
+        need = STAGE_SECONDS.get(name, 120)
+        left = args.budget_seconds - (time.monotonic() - begun)
+        if args.budget_seconds and left < need:
+            results["stopped_before"] = name
+            save()
+            return False
+        return True
 
-    # 3. The compile Job: kernelcache warm with the vllm warmer.
     root = work / "vllm-root"  # the fixed path of compile Job and serving pod alike
-    spec = {
-        "apiVersion": "kernelcache.dev/v1alpha1",
-        "kind": "KernelCache",
-        "metadata": {"name": KEY.split("/")[1]},
-        "spec": {
-            "model": "qwen3-moe-tiny",
-            "engine": {"image": "kernelcache-vllm:bench"},
-            "gpuClasses": [{"name": "h200", "arch": args.arch, "gpuProduct": "NVIDIA H200"}],
-            "warmers": [{"type": "vllm", "workload": {**workload, "cacheRoot": str(root)}}],
-        },
-    }
-    spec_path = work / "kernelcache.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    store = work / "store"
+    store, pod = work / "store", work / "pod"
     kc = [sys.executable, "-m", "kernelcache"]
-    t = time.time()
-    rc = run_logged([*kc, "warm", "-f", str(spec_path), "--store", str(store), "--arch", args.arch],
-                    base, log, 1800)  # fmt: skip
-    build = {"rc": rc, "seconds": round(time.time() - t, 3)}
-    manifest_path = next(store.glob("*/*/*/*/MANIFEST.json"), None) if store.is_dir() else None
-    if manifest_path is not None:
-        manifest = json.loads(manifest_path.read_text())
-        warmer = manifest["report"]["warmers"][0]
-        build.update(
-            files=len(manifest["files"]),
-            bytes=sum(f["size"] for f in manifest["files"]),
-            stamp_vllm={k: v for k, v in manifest["stamp"]["factors"].items() if "vllm" in k},
-            warmer={k: v for k, v in warmer.items() if k != "cache_key_factors"},
-            cache_key_factors=warmer.get("cache_key_factors"),
-        )
-    report["build"] = build
-    save()
+    plain = {"engine": engine_args, "sweep": sweep, "runtime": "none", "preload": []}
 
-    # 4. Another node, in effect: the warm's root is gone; the init-container's command puts
-    # the generation back into a fresh directory and vLLM's tree at the fixed root.
-    shutil.rmtree(root, ignore_errors=True)
-    pod = work / "pod"
+    # 1. The compile Job.
+    if "build" not in stages:
+        if not fits("build"):
+            return 0
+        spec = {
+            "apiVersion": "kernelcache.dev/v1alpha1",
+            "kind": "KernelCache",
+            "metadata": {"name": KEY.split("/")[1]},
+            "spec": {
+                "model": "qwen3-moe-tiny",
+                "engine": {"image": "kernelcache-vllm:bench"},
+                "gpuClasses": [{"name": "h200", "arch": args.arch, "gpuProduct": "NVIDIA H200"}],
+                "warmers": [{"type": "vllm", "env": env_extra,
+                             "workload": {**workload, "cacheRoot": str(root)}}],
+            },
+        }  # fmt: skip
+        spec_path = work / "kernelcache.yaml"
+        spec_path.write_text(yaml.safe_dump(spec))
+        t = time.time()
+        rc = run_logged([*kc, "warm", "-f", str(spec_path), "--store", str(store), "--arch",
+                         args.arch], base, log, 3000)  # fmt: skip
+        build: dict[str, Any] = {"rc": rc, "seconds": round(time.time() - t, 3)}
+        manifest_path = next(store.glob("*/*/*/*/MANIFEST.json"), None)
+        if manifest_path is not None:
+            manifest = json.loads(manifest_path.read_text())
+            warmer = manifest["report"]["warmers"][0]
+            build.update(
+                files=len(manifest["files"]),
+                bytes=sum(f["size"] for f in manifest["files"]),
+                dirs=manifest["report"].get("dirs"),
+                stamp_vllm={k: v for k, v in manifest["stamp"]["factors"].items() if "vllm" in k},
+                warmer={k: v for k, v in warmer.items() if k != "cache_key_factors"},
+                cache_key_factors=warmer.get("cache_key_factors"),
+            )
+        stages["build"] = build
+        save()
+        if rc != 0:
+            return 1
+    passes = stages["build"]["warmer"]["passes"]
+    cold_digest = passes[0]["outputs_digest"]
+
+    # 2. Another node, in effect: the warm's root is gone; the init-container's command.
     serve_env = {**base, "VLLM_CACHE_ROOT": str(root), "KERNELCACHE_ARCH": args.arch}
-    t = time.time()
-    rc = run_logged([*kc, "verify", "--store", str(store), "--key", f"{KEY}/{args.arch}",
-                     "--check-env", "--materialize", str(pod)], serve_env, log, 600)  # fmt: skip
-    report["verify"] = {"rc": rc, "seconds": round(time.time() - t, 3)}
+    if "verify" not in stages:
+        shutil.rmtree(root, ignore_errors=True)
+        t = time.time()
+        rc = run_logged([*kc, "verify", "--store", str(store), "--key", f"{KEY}/{args.arch}",
+                         "--check-env", "--materialize", str(pod)], serve_env, log,
+                        600)  # fmt: skip
+        report_path = pod / "kernelcache-verify.json"
+        stages["verify"] = {
+            "rc": rc,
+            "seconds": round(time.time() - t, 3),
+            "report": json.loads(report_path.read_text()) if report_path.exists() else None,
+        }
+        save()
+        if rc != 0:
+            return 1
     served_env = {**serve_env, "KERNELCACHE_ENV_FILE": str(pod / "kernelcache.env")}
+    strict_env = {**served_env, "KERNELCACHE_STRICT": "1"}
     served_job = {**plain, "runtime": "serving",
                   "engine": {**engine_args, "jit_monitor_mode": "error"}}  # fmt: skip
-    for name, extra in [("served", {}), *([("served_strict", {"KERNELCACHE_STRICT": "1"})]
-                                          if args.strict else [])]:  # fmt: skip
-        before = files_under(root, pod)
-        served = engine(work, name, {**served_env, **extra}, served_job, log)
-        after = files_under(root, pod)
-        served["new_files"] = len([p for p in after if p not in before])
-        report[name] = summary(served, cold)
-        results[name] = {k: v for k, v in served.items() if k != "outputs"}
-        save()
+    cold = json.loads(cold_path.read_text()) if cold_path.exists() else None
 
-    print(json.dumps(report, indent=1, default=str))
+    def served(name: str, env: dict[str, str], job: dict[str, Any]) -> dict[str, Any]:
+        before = files_under(root, pod)
+        result = engine(work, name, env, job, log)
+        result["new_files"] = len(files_under(root, pod) - before)
+        out = summary(result, cold)
+        declared = {f"{n}x{b}" for n in sweep["prompt_lengths"] for b in sweep["batch_sizes"]}
+        got = {k: v for k, v in (result.get("outputs") or {}).items() if k in declared}
+        if len(got) == len(declared):
+            out["declared_outputs_digest_is_cold_pass"] = outputs_digest(got) == cold_digest
+        stages[name] = out
+        save()
+        return result
+
+    # 3. Served, strict: error mode, FLASHINFER_DISABLE_JIT; the sweep and one outside it.
+    if "served_strict" not in stages and fits("served_strict"):
+        served("served_strict", strict_env, {**served_job, "more_sweeps": [OUTSIDE]})
+    # 4. Real weights from the model directory, from the generation warmed with dummy ones.
+    if args.real_weights and "served_real" not in stages and fits("served_real"):
+        real = {**served_job, "engine": {**served_job["engine"], "load_format": "auto"}}
+        served("served_real", strict_env, real)
+    # 5. A co-tenant holds GPU memory: the startup plan does not fit.
+    if "served_less_memory" not in stages and fits("served_less_memory"):
+        holder = holding_gpu_memory(args.hold_gib, work / "holding")
+        try:
+            served("served_less_memory", strict_env, served_job)
+            stages["served_less_memory"]["held_gib"] = args.hold_gib
+        finally:
+            holder.kill()
+            holder.wait()
+
+    # 6. vLLM's own restarts on one node, interleaved with served starts.
+    anchor_root, anchor_env = (
+        work / "anchor-root",
+        {**base, "VLLM_CACHE_ROOT": str(work / "anchor-root")},
+    )
+    if args.flashinfer or args.sampler_only:
+        aot = Path(json.loads((pod / "kernelcache-verify.json").read_text())["dir"])
+        package = jit_cache_package(work / "jit-cache", aot / "files" / "flashinfer" / "aot")
+        anchor_env["PYTHONPATH"] = os.pathsep.join([str(package), base.get("PYTHONPATH", "")])
+        anchor_env["FLASHINFER_DISABLE_JIT"] = "1"
+    for name in ANCHORS:
+        if name in stages:
+            continue
+        if not fits(name):
+            return 0
+        if name.startswith("served_"):
+            served(name, strict_env, served_job)
+            continue
+        plan = "1" if name != "anchor_1" and name != "anchor_2" else "0"
+        env = {**anchor_env, "VLLM_ENABLE_STARTUP_PLAN": plan}
+        if name == "anchor_first":
+            shutil.rmtree(anchor_root, ignore_errors=True)
+        result = engine(work, name, env, plain, log)
+        if name == "anchor_first" and result.get("outputs"):
+            cold_path.write_text(json.dumps(result["outputs"]))
+            cold = result["outputs"]
+            stages[name] = summary(result, None)
+            got = result["outputs"]
+            stages[name]["outputs_digest_is_cold_pass"] = outputs_digest(got) == cold_digest
+        else:
+            stages[name] = summary(result, cold)
+        save()
+    # The served starts before the anchors are compared with vLLM's tokens now.
+    results["done"] = True
+    save()
+    print(json.dumps(results["summary"], indent=1, default=str))
     return 0
 
 

@@ -382,6 +382,21 @@ class _Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.reader.join(timeout=10)
+        # The engine core outlives the API server for a moment: the next start on this GPU
+        # must find its memory free again (vLLM's startup plan compares free memory).
+        limit = time.monotonic() + 60
+        while _group_running(self.proc.pid) and time.monotonic() < limit:
+            time.sleep(0.1)
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of ``group`` still runs (a zombie does not: it holds no memory)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                return True
+    return False
 
 
 def _request(port: int, path: str, body: Mapping[str, Any] | None, timeout: float) -> Any:
@@ -455,12 +470,13 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
     try:
         first_generate = _wait_ready(server, port, str(engine["model"]), job.get("ready_timeout"))
         ready = time.time()
-        for length in sweep["prompt_lengths"]:
-            for batch in sweep["batch_sizes"]:
-                tokens = _complete(
-                    port, str(engine["model"]), prompts_for(length, batch), sweep["max_tokens"]
-                )
-                outputs[f"{length}x{batch}"] = tokens
+        for plan in [sweep, *job.get("more_sweeps", [])]:  # the bench's shapes outside
+            for length in plan["prompt_lengths"]:
+                for batch in plan["batch_sizes"]:
+                    tokens = _complete(
+                        port, str(engine["model"]), prompts_for(length, batch), plan["max_tokens"]
+                    )
+                    outputs[f"{length}x{batch}"] = tokens
     except (OSError, ValueError, KeyError, TimeoutError) as exc:  # the engine died, or refused
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
     finished = time.time()
@@ -958,7 +974,8 @@ TOOLCHAIN = Vllm(
     # vLLM applies a startup plan only where its fingerprint (GPU name, total memory, ...)
     # matches; kernelcache scopes the files to the GPU product as it does tuning.
     serving_settings={"VLLM_ENABLE_STARTUP_PLAN": "1"},
-    tuning_prefixes=(f"{SUBDIR}/{PLAN_DIR}/",),
+    # So are FlashInfer's autotuner results that vLLM keeps under its root.
+    tuning_prefixes=(f"{SUBDIR}/{PLAN_DIR}/", f"{SUBDIR}/flashinfer_autotune_cache/"),
     warmers=(VllmWarmer,),
     requires=("vllm", "vllm"),
 )
