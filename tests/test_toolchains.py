@@ -44,6 +44,7 @@ def test_the_cache_variables_are_the_union_of_the_toolchains_declarations():
         "TRITON_CACHE_AUTOTUNING": "1",
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
         "TRITON_CACHE_MANAGER": "kernelcache.toolchains.triton:GenerationCacheManager",
+        "VLLM_ENABLE_STARTUP_PLAN": "1",
     }
 
 
@@ -52,6 +53,8 @@ def test_tuning_scoped_files_are_what_the_toolchains_declare():
         "triton/ABC/matmul.autotune.json",
         "inductor/xy/kernel.best_config",
         "flashinfer/tactics/nvidia-h200.json",
+        "vllm/startup_plan/startup_plan_f706e831b001afa9.json",
+        "vllm/flashinfer_autotune_cache/0.6.14/90a/e846db17/autotune_configs.json",
     ]
     compiled = ["triton/ABC/matmul.cubin", "flashinfer/aot/m/m.so", "cute-dsl/k.o"]
     assert [p for p in tuned + compiled if toolchains.is_tuning_file(p)] == tuned

@@ -219,6 +219,8 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     assert served["jit_events"] == [] and served["monitor_mode"] == "error"
     [engine] = [p for p in served["processes"] if p["armed"]]
     assert engine["pid"] != served["server_pid"] and not engine["server"]
+    assert [p["server"] for p in served["processes"] if not p["armed"]] == [True]
+    assert 0 < served["import_seconds"] < served["ready_seconds"]
     recorded = json.loads(built["manifest"].read_text())["report"]["warmers"][0]
     assert served["preload_sizes"] == recorded["preload_sizes"]
     # The same engine on the same restored cache, without kernelcache's runtime: vLLM's

@@ -106,3 +106,45 @@ def verify(
          "--key", KEY, "--check-env", "--materialize", str(target), *extra],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def save_random_weights(config: Path, out: Path) -> Path:
+    """A model directory: ``config`` and random bf16 weights for it as safetensors, in the
+    Hugging Face names vLLM's Qwen3-MoE loader reads (a real-weights load without a hub)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config, out / "config.json")
+    c = json.loads(config.read_text())
+    h, hd, v = c["hidden_size"], c["head_dim"], c["vocab_size"]
+    heads, kv, mi = c["num_attention_heads"], c["num_key_value_heads"], c["moe_intermediate_size"]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def ones(n: int) -> Any:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": ones(h),
+               "lm_head.weight": rand(v, h)}  # fmt: skip
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(heads * hd, h),
+            p + "self_attn.k_proj.weight": rand(kv * hd, h),
+            p + "self_attn.v_proj.weight": rand(kv * hd, h),
+            p + "self_attn.o_proj.weight": rand(h, heads * hd),
+            p + "self_attn.q_norm.weight": ones(hd),
+            p + "self_attn.k_norm.weight": ones(hd),
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "mlp.gate.weight": rand(c["num_experts"], h),
+        }
+        for e in range(c["num_experts"]):
+            q = f"{p}mlp.experts.{e}."
+            tensors |= {q + "gate_proj.weight": rand(mi, h), q + "up_proj.weight": rand(mi, h),
+                        q + "down_proj.weight": rand(h, mi)}  # fmt: skip
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

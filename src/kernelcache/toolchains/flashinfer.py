@@ -28,7 +28,10 @@ modules, at those; strict mode then sets ``FLASHINFER_DISABLE_JIT=1``, so FlashI
 refuses a module missing from them. Its ``FLASHINFER_JIT_BUILD_LOG`` (one JSON line per
 module build) is tailed by a thread (``BuildLogTail``), counting this process's builds only
 and a ninja no-op as a cache hit (``parse_build_log`` and the tail read a line by one rule,
-``build_record``).
+``build_record``). FlashInfer 0.6.x (vLLM 0.26.0's) writes no build log: there
+``watch_jit`` times ``JitSpec.build`` and records every module ``build_and_load`` loads, which
+a vllm warm keeps (its engine's modules, laid out prebuilt) and the init-container checks
+(``FlashInfer.place``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
-"""vLLM: the engine's whole cache warmed until a fresh engine meets no JIT, its cache root
-bound to one absolute path, and, in serving, the warmed shapes loaded before vLLM's JIT monitor
-arms.
+"""vLLM: the engine's whole cache warmed through ``vllm serve`` until a fresh server meets no
+JIT, its cache root bound to one absolute path, and, in serving, the warmed shapes loaded
+before vLLM's JIT monitor arms, in the process where the model runs.
 
-**Warm.** Each pass is a fresh process (``drive``) running ``vllm.LLM`` with the spec's engine
-arguments, ``VLLM_CACHE_ROOT`` at the workload's ``cacheRoot`` (the path serving uses too: see
-the cache root below) and Triton, inductor and FlashInfer caches in the staging generation,
-then a sweep of requests over every declared prompt length and batch size with vLLM's own JIT
-monitor in ``warn`` mode. The first pass compiles (cold); each later pass is set up as serving
-is (the forward sizes at which the monitor fired so far run before it arms) and must see
-nothing: no monitor event, no compile counted by kernelcache. After at most ``maxPasses``
-processes the warm fails naming the kernel that still JITs. The cache root is then copied
-into ``files/vllm``, with the recorded sizes in ``files/vllm-warmup/sizes.json`` and vLLM's
-own ``cache_key_factors.json`` in the report.
+**Warm.** Each pass is a fresh ``vllm serve`` (``drive``: an API server and its engine core
+process, as a serving pod runs them) with the spec's engine arguments as its flags,
+``VLLM_CACHE_ROOT`` at the workload's ``cacheRoot`` (the path serving uses too: see the cache
+root below), Triton, inductor and FlashInfer caches in the staging generation and vLLM's
+startup plan on; then a sweep of completions over every declared prompt length and batch
+size with vLLM's own JIT monitor in ``warn`` mode. kernelcache's hooks reach vLLM's processes
+through the runtime's ``.pth`` hook (``KERNELCACHE_RUNTIME=1``); each process writes what they
+saw to ``KERNELCACHE_VLLM_STATE_DIR`` (``dump``). The first pass compiles (cold); each later
+pass is set up as serving is (the forward sizes at which the monitor fired so far run before
+it arms, ``KERNELCACHE_VLLM_SIZES``) and must see nothing: no monitor event, no compile
+counted by kernelcache. After at most ``maxPasses`` servers the warm fails naming the kernel
+that still JITs. The cache root (with vLLM's startup plan) is then copied into
+``files/vllm``, the recorded sizes into ``files/vllm-warmup/sizes.json``, the FlashInfer
+modules the engine loaded into FlashInfer's prebuilt layout (``keep_flashinfer_modules``), and
+vLLM's own ``cache_key_factors.json`` into the report.
 
 **The cache root.** vLLM's compile cache is bound to where it was written: its artifacts name
 the cache root, the vLLM install and the model by absolute path, a copy at another path
@@ -36,7 +41,8 @@ monitor arms (inside ``Worker.compile_or_warm_up_model``). Strict mode arms the 
 ``error`` mode whatever the engine was given. Every monitor event is counted
 (``kernelcache_vllm_jit_events_total``) and kept in ``state.events`` with the token count of
 the forward it happened in. The engine's model and the cache root are checked against the
-generation's stamp.
+generation's stamp. Whether vLLM applied its startup plan is said
+(``_plan_checked``): a GPU with less free memory than the plan recorded profiles instead.
 
 Nothing here imports vLLM: each hook is installed when vLLM's own module is imported.
 """
@@ -629,7 +635,10 @@ def watch(
 
 
 def _imported(module: Any) -> None:
+    """When vLLM's engine arguments were importable: the end of vllm serve's import (torch,
+    vLLM), which every start pays and ``ready - import`` leaves out."""
     state.vllm_imported_at = state.vllm_imported_at or time.time()
+    dump(force=True)
 
 
 def _forked() -> None:
