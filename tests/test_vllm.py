@@ -262,6 +262,29 @@ def test_the_engines_model_is_held_to_the_generations(built, tmp_path):
     assert f"stamp mismatch: vllm/model: {MODEL} != /models/another" in log
 
 
+def test_a_warm_whose_engine_core_runs_without_kernelcaches_hooks_fails_saying_so(tmp_path):
+    """An image where kernelcache is not installed in vLLM's interpreter (no .pth hook): the
+    engine core counts nothing, so a pass that saw no JIT proves nothing."""
+    import os
+    import sysconfig
+
+    purelib = Path(sysconfig.get_path("purelib"))
+    [installed] = purelib.glob(f"zz_test_vllm_{os.getpid()}_*.pth")  # runtime_hook's
+    aside = installed.with_suffix(".off")
+    installed.rename(aside)
+    try:
+        (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root")))
+        proc = run_kernelcache(
+            "build", "-f", str(tmp_path / "kc.yaml"), "--store", str(tmp_path / "store"),
+            PYTHONPATH=fake_env()["PYTHONPATH"], PATH=fake_env()["PATH"],
+        )  # fmt: skip
+    finally:
+        aside.rename(installed)
+    assert proc.returncode == 11, proc.stderr
+    assert "kernelcache's hooks did not run in vLLM's engine core process" in proc.stderr
+    assert not list((tmp_path / "store").glob("default/vq/*/*/MANIFEST.json"))
+
+
 # ------------------------------------------------------------------------------ startup plan
 
 
