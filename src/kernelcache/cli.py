@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -23,11 +25,15 @@ from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
     MissingGenerationError,
+    NotInstalledError,
     SpecError,
+    error_line,
+    error_object,
+    exit_code_of,
     one_line,
 )
 from kernelcache.output import console as _console
-from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
+from kernelcache.spec import ARCH, PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 
 
 def _exit_codes_epilog() -> str:
@@ -53,11 +59,20 @@ def _arches(kc: Any, requested: list[str] | None) -> list[str]:
     return list(dict.fromkeys(requested))  # an arch given twice is warmed once
 
 
+def _check_signing_key(path: Path | None) -> None:
+    """A --signing-key that names no file is a bad argument (exit 2), found before any work;
+    a key file that is there but unusable is the signature class."""
+    if path is not None and not path.is_file():
+        what = "is not a file" if path.exists() else "no such file"
+        raise SpecError(f"--signing-key {path}: {what}", path=str(path))
+
+
 def _signing_key(path: Path | None) -> Any:
     if path is None:
         return None
     from kernelcache.store import load_private_key
 
+    _check_signing_key(path)
     return load_private_key(path)
 
 
@@ -71,6 +86,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
+    _check_signing_key(args.signing_key)
     view = output.BuildView(kc)
     try:
         results = build.build(
@@ -116,7 +132,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         signing_key=_signing_key(args.signing_key),
         force=args.force,
     )
-    if args.result:
+    if args.result is not None:
         build.write_result(args.result, result)
     if args.json:
         output.print_json(asdict(result))
@@ -125,6 +141,25 @@ def cmd_warm(args: argparse.Namespace) -> int:
             f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)"
         )
     return 0
+
+
+def _warm_failed(args: argparse.Namespace, code: int, line: str, seconds: float) -> Any:
+    """A failed warm is a result too: written to --result (a compile Job's termination
+    message, which the operator reads) and printed under --json, saying why it failed."""
+    from kernelcache import build
+
+    if not (isinstance(args.arch, str) and re.fullmatch(ARCH, args.arch)):
+        return None  # no arch to report on: the plain failure object
+    message = line.removeprefix("kernelcache: ").removeprefix("error: ")
+    result = build.ArchResult(
+        arch=args.arch, status="failed", seconds=round(seconds, 3), exit_code=code, message=message
+    )
+    if args.result is not None:
+        try:
+            build.write_result(args.result, result)
+        except KernelCacheError as exc:  # the failure already being reported wins
+            print(error_line(exc), file=sys.stderr)
+    return asdict(result)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -160,14 +195,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             materialize=args.materialize,
         )
         outcome = initcontainer.run(options)
-    except Exception as exc:  # printed here, so that both places hold the very same line
-        line = initcontainer.error_line(exc)
-        initcontainer.write_termination_log(log, line)
-        print(line, file=sys.stderr)
-        code = int(exc.code) if isinstance(exc, KernelCacheError) else int(ExitCode.FAILURE)
-        if args.json:
-            output.print_json({"ok": False, "error": {"exit_code": code, "message": line}})
-        return code
+    except Exception as exc:  # main prints the very same line
+        initcontainer.write_termination_log(log, error_line(exc))
+        raise
     for warning in outcome.warnings:
         print(f"kernelcache: warning: {warning}", file=sys.stderr)
     if args.json:
@@ -383,8 +413,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     try:
         from kernelcache.controller.main import run
     except ModuleNotFoundError as exc:
-        missing = f"operator: {exc.name} is missing; install kernelcache[operator]"
-        raise KernelCacheError(missing) from None
+        missing = f"operator: {exc.name} is not installed; install kernelcache[operator]"
+        raise NotInstalledError(missing) from None
     return run(verbose=args.verbose)
 
 
@@ -430,10 +460,10 @@ def _non_negative(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr like every other failure."""
+    """argparse, but a bad command line is a failure like every other (``main`` reports it)."""
 
     def error(self, message: str) -> Any:
-        self.exit(int(ExitCode.USAGE), f"kernelcache: error: {self.prog}: {one_line(message)}\n")
+        raise SpecError(f"{self.prog}: {one_line(message)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,7 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kernelcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str) -> Any:
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help_text: str,
+        failed: Callable[[argparse.Namespace, int, str, float], Any] | None = None,
+    ) -> Any:
         p = sub.add_parser(
             name,
             help=help_text,
@@ -454,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
             epilog="exit codes: see kernelcache --help",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, failed=failed)
         return p
 
     def store_arg(p: Any) -> None:
@@ -473,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     json_arg(p, "build.json")
 
-    p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)")
+    p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)", _warm_failed)
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", required=True, help="SM arch, e.g. sm_90a")
@@ -594,19 +629,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Every failure, a bad command line included, is reported here and
+    only here: its one line on stderr, the exit code of its class and, when ``--json`` was
+    asked for, one failure object on stdout (the command's own, else ``error_object``), so a
+    new subcommand gets all three without a line of its own."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
+    start = time.perf_counter()
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except KernelCacheError as exc:
-        print(f"kernelcache: error: {one_line(exc.message)}", file=sys.stderr)
-        return int(exc.code)
-    except KeyboardInterrupt:
-        print("kernelcache: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # a bug: still one line, with the class to search for
-        line = f"kernelcache: internal error: {type(exc).__name__}: {one_line(exc)}"
-        print(line, file=sys.stderr)
-        return int(ExitCode.FAILURE)
+    except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class to search
+        line, code = error_line(exc), exit_code_of(exc)
+    print(line, file=sys.stderr)
+    failed = getattr(args, "failed", None)
+    payload = failed(args, code, line, time.perf_counter() - start) if failed else None
+    if _wants_json(argv):
+        output.print_json(payload if payload is not None else error_object(code, line))
+    return code
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """``--json`` among the options (read from the words, since a failed parse has no args)."""
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
 
 
 if __name__ == "__main__":
