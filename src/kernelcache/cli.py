@@ -35,6 +35,9 @@ from kernelcache.errors import (
 from kernelcache.output import console as _console
 from kernelcache.spec import ARCH, PUBLIC_KEY_FILE, SIGNING_KEY_FILE
 
+# gc takes each key's writer lock; a build holds it while it warms (minutes).
+GC_LOCK_TIMEOUT_S = 60.0
+
 
 def _exit_codes_epilog() -> str:
     rows = "\n".join(f"  {int(code):>2}  {text}" for code, text in EXIT_CODE_HELP.items())
@@ -43,8 +46,11 @@ def _exit_codes_epilog() -> str:
 
 def _load_spec(path: Path) -> Any:
     from kernelcache.spec import load_kernelcache
+    from kernelcache.toolchains import check_warmer_env
 
-    return load_kernelcache(path)
+    kc = load_kernelcache(path)
+    check_warmer_env(kc.spec.warmers, str(path))
+    return kc
 
 
 def _arches(kc: Any, requested: list[str] | None) -> list[str]:
@@ -227,6 +233,8 @@ def _manifest_of(ref: str, store_root: Path | None) -> Any:
             raise MissingGenerationError(f"{ref}: {what} in {store.root} with this id")
         return next(iter(matches.values()))
     if path.is_dir():
+        if not (path / MANIFEST_NAME).exists():
+            raise SpecError(f"{ref}: a directory without {MANIFEST_NAME}: not a generation dir")
         path = path / MANIFEST_NAME
     try:
         data = path.read_bytes()
@@ -289,15 +297,25 @@ def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """List keys, generations and what the current one holds."""
-    from rich.table import Table
+    """List keys, generations and what the current one holds.
 
+    A key that cannot be read (a broken CURRENT, say) is listed with its error and hides no
+    other key; the exit code is then the first such error's class.
+    """
     store = _existing_store(args.store)
     keys = [_published_key(store, args.key)] if args.key else store.keys()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failures: list[KernelCacheError] = []
     for key in keys:
-        current = store.current_manifest(key)
-        for m in store.generations(key):
+        try:
+            current = store.current_manifest(key)
+            generations = store.generations(key)
+        except KernelCacheError as exc:
+            failures.append(exc)
+            print(error_line(exc), file=sys.stderr)
+            rows.append({"key": key, "error": error_object(exc.code, error_line(exc))["error"]})
+            continue
+        for m in generations:
             rows.append(
                 {
                     "key": key,
@@ -310,14 +328,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "report": m.report if args.json else None,
                 }
             )
+    code = int(failures[0].code) if failures else 0
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
-    table = Table(title=f"kernelcache store {args.store}")
-    for column in ("key", "generation", "current", "created", "files", "bytes", "stamp"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(
+        return code
+    columns = ("key", "generation", "current", "created", "files", "bytes", "stamp")
+    cells = [
+        [row["key"], "unreadable: see the error above", "", "", "", "", ""]
+        if "error" in row
+        else [
             str(row["key"]),
             str(row["generation"])[:16],
             "*" if row["current"] else "",
@@ -325,9 +344,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             str(row["files"]),
             f"{row['bytes']:,}",
             str(row["stamp"]).removeprefix("blake3:")[:16],
-        )
-    _console().print(table)
-    return 0
+        ]
+        for row in rows
+    ]
+    title = f"kernelcache store {args.store}"
+    whole, right = ("key", "generation", "current"), ("files", "bytes")
+    _console().print(output.table(title, columns, cells, whole=whole, right=right))
+    return code
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -337,7 +360,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     keys = []
     for key in [_published_key(store, args.key)] if args.key else store.keys():
-        removed = store.gc(key, keep=args.keep, dry_run=args.dry_run)
+
+        def waiting(holder: str, key: str = key) -> None:
+            print(
+                f"kernelcache: {key}: waiting for the writer lock ({holder}), at most "
+                f"{args.timeout:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        removed = store.gc(
+            key, keep=args.keep, dry_run=args.dry_run, timeout=args.timeout, on_wait=waiting
+        )
         keys.append({"key": key, "removed": removed})
         if not args.json:
             print(f"{key}: {verb} {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
@@ -350,15 +384,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Check this environment before anything runs: GPU and arch, toolchains, cache variables,
     the start-up hook, and against a generation the stamp factors that would make it miss.
 
-    The generation is a generation dir or MANIFEST.json, or the current one of -f SPEC in
-    --store for this arch; -f alone checks the toolchains the spec's warmers need.
+    The generation is a generation dir or MANIFEST.json, with --store a key or generation id,
+    or the current one of -f SPEC in --store for this arch; -f alone checks the toolchains
+    the spec's warmers need.
     """
     from kernelcache import doctor
     from kernelcache.store import Store
 
     manifest, warmer_types = None, None
     if args.generation is not None:
-        manifest = _manifest_of(args.generation, None)
+        manifest = _manifest_of(args.generation, args.store)
     if args.file is not None:
         kc = _load_spec(args.file)
         warmer_types = [w.type for w in kc.spec.warmers]
@@ -447,6 +482,16 @@ def _path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return Path(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
 
 
 def _non_negative(text: str) -> int:
@@ -601,15 +646,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", type=_non_negative, default=2, help="kept besides the current (default 2)"
     )
     p.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=GC_LOCK_TIMEOUT_S,
+        metavar="SECONDS",
+        help="wait at most this long for a key's writer lock, held by a build while it warms "
+        f"(default {GC_LOCK_TIMEOUT_S:g}; then exit {int(ExitCode.LOCKED)})",
+    )
     json_arg(p, "gc.json")
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
     p = add("doctor", cmd_doctor, "check this environment against a generation or a spec")
-    p.add_argument("generation", nargs="?", help="generation dir or MANIFEST.json to check against")
+    p.add_argument(
+        "generation",
+        nargs="?",
+        help="generation dir or MANIFEST.json, or KEY or generation id (with --store)",
+    )
     p.add_argument("-f", "--file", type=_path, help="KernelCache YAML: its warmers' toolchains")
-    p.add_argument("--store", type=_path, help="with -f: check against the current generation")
+    p.add_argument(
+        "--store", type=_path, help="store root: of a KEY or generation id, or with -f of its key"
+    )
     p.add_argument("--arch", help="this node's SM arch (else CUTE_DSL_ARCH, else the GPU)")
     json_arg(p, "doctor.json")
 
