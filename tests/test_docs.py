@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +29,7 @@ import yaml
 
 from kernelcache.errors import ColdCompileError, error_line
 from kernelcache.store import Store, manifest_checksum
-from tests.conftest import REPO, kernelcache_doc, run_kernelcache
+from tests.conftest import EXAMPLES, REPO, kernelcache_doc, run_kernelcache
 from tests.helpers import generations
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -222,7 +223,7 @@ def current_not_a_generation_id(tmp: Path) -> str:
 def locked(tmp: Path) -> str:
     store, _ = published(tmp)
     with Store(store).writer(KEY):
-        proc = run_kernelcache("gc", "--store", str(store), "--timeout", "60")
+        proc = run_kernelcache("gc", "--store", str(store), "--timeout", "0.1")
     return last_line(proc, 12)
 
 
@@ -281,9 +282,8 @@ def ran_past_timeout(tmp: Path) -> str:
 
 def build_failed(tmp: Path) -> str:
     spec = tmp / "kc.yaml"
-    warmer = {"type": "cute-dsl", "entryPoints": ["my_kernels:warm"]}
+    warmer = {"type": "command", "command": ["false"]}
     spec.write_text(yaml.safe_dump(kernelcache_doc("kc", warmers=[warmer])))
-    (tmp / "my_kernels.py").write_text("def warm(workload):\n    raise ValueError('no')\n")
     proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp / "s"))
     return last_line(proc, 11)
 
@@ -348,7 +348,7 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "…: store not readable: Not a directory": store_is_a_file,
     "…/files/….o: mode 0000: no user but root can read this file": mode_0000,
     "/var/lib/kernelcache/<namespace>: EACCES (Permission denied): /var/lib/kernelcache is owned by uid 0 gid 0 mode 0755, and this process is uid 1000 gid 1000; …": cannot_write_the_store,  # noqa: E501
-    "team-a/llama/sm_90a: another writer holds …/.lock (pid … on …); gave up after 60s": locked,
+    "team-a/llama/sm_90a: another writer holds …/.lock (pid … on …); gave up after <seconds>s": locked,  # noqa: E501
     "spec.modle: unknown field (did you mean model?)": misspelled_field,
     "'sm_91' is not an arch any toolchain knows (known: …)": unknown_arch,
     "metadata.name: String should have at most 63 characters, …": long_name,
@@ -374,3 +374,144 @@ def test_a_quoted_error_line_is_what_the_program_prints(tmp_path, doc_line):
     assert matches(doc_line, printed), (
         f"the docs say\n  {doc_line}\nthe program prints\n  {printed}"
     )
+
+
+# --- the commands the docs show -----------------------------------------------------------------
+
+PROGRAMS = ("kernelcache", "helm", "kubectl")
+HELM = REPO / ".tools" / "bin" / "helm"
+
+# Commands that need what is not here, by their first words: a cluster, a release, a pod.
+NOT_HERE = {
+    "kubectl": "needs a cluster (the cluster tests apply the same objects to the harness)",
+    "helm rollback": "needs an installed release",
+    "helm history": "needs an installed release",
+}
+# helm commands that change a cluster are run as ``helm template`` with the same chart and
+# values (what they would apply); these flags only mean something to an installed release.
+RELEASE_FLAGS = {"--create-namespace", "--reuse-values", "--install", "--wait", "--atomic"}
+# Commands the docs show failing on purpose: their exit code, as the docs say.
+EXPECTED_EXIT = {
+    "TRITON_CACHE_DIR=spec.yaml/triton kernelcache doctor store/default/demo/sm_90a/8f05e5cc484aa24068b8334602c145fb --arch sm_120a": 4,  # noqa: E501
+    "kernelcache explain env /var/lib/kernelcache/team-a/llama/sm_90a/<generation>": 4,
+    "kernelcache explain <generation-a> <generation-b>": 4,
+    "kernelcache explain team-a/llama/sm_90a env --store /var/lib/kernelcache": 4,
+    "kernelcache explain 3f2a9c1e 7b0d44aa --store /var/lib/kernelcache": 4,
+}  # fmt: skip
+
+
+def fenced_blocks(doc: Path) -> list[tuple[str, list[str]]]:
+    """(info string, lines) of each fenced block."""
+    blocks, info, lines = [], None, []
+    indent = 0
+    for line in doc.read_text().splitlines():
+        if line.strip().startswith("```"):  # a block in a list item is indented
+            if info is None:
+                info, lines = line.strip()[3:].strip(), []
+                indent = len(line) - len(line.lstrip())
+            else:
+                blocks.append((info, lines))
+                info = None
+        elif info is not None:
+            lines.append(line[indent:])
+    return blocks
+
+
+def shown_commands() -> dict[str, str]:
+    """Every command of a fenced block -> its doc. A block with ``$ `` prompts shows commands
+    only on those lines; a ``text`` block is output; a line ending in ``\\`` goes on."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        for info, lines in fenced_blocks(doc):
+            if info.split(" ")[0] == "text" or info.startswith("yaml"):
+                continue
+            prompted = any(line.startswith("$ ") for line in lines)
+            joined: list[str] = []
+            for line in lines:
+                if joined and joined[-1].endswith("\\"):
+                    joined[-1] = joined[-1][:-1] + line.strip()
+                else:
+                    joined.append(line)
+            for line in joined:
+                if prompted and not line.startswith("$ "):
+                    continue
+                words = line.removeprefix("$ ").split()
+                while words and "=" in words[0] and not words[0].startswith("-"):
+                    words = words[1:]  # VAR=value before the program
+                if words and words[0] in PROGRAMS:
+                    found[" ".join(shlex.split(line.removeprefix("$ "), comments=True))] = doc.name
+    return found
+
+
+def files_shown() -> dict[str, str]:
+    """The files the docs show whole (a block opened with ``yaml title=NAME``)."""
+    return {
+        info.split("title=", 1)[1].strip('"'): "\n".join(lines) + "\n"
+        for doc in DOCS
+        for info, lines in fenced_blocks(doc)
+        if "title=" in info
+    }
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> dict[str, str]:
+    """Where the docs' commands run: the examples, the chart, the files the docs show, and a
+    store with the example's sm_90a generation and two generations of team-a/llama/sm_90a.
+    Returns the words that stand for what only exists once built (generation ids)."""
+    root = tmp_path_factory.mktemp("docs")
+    shutil.copytree(EXAMPLES, root / "examples")
+    (root / "charts").symlink_to(REPO / "charts")
+    for name, text in files_shown().items():
+        (root / name).write_text(text)
+    # cli.md's doctor example points a cache variable below this file
+    shutil.copy(EXAMPLES / "kernelcache.yaml", root / "spec.yaml")
+    proc = run_kernelcache("build", "-f", "examples/kernelcache.yaml", "--store", "store",
+                           "--arch", "sm_90a", cwd=root)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    store = root / "store"
+    first = generations.publish(store, KEY)
+    second = generations.publish(store, KEY, stamp=generations.make_stamp(model="other/model"))
+    demo = Store(store).current("default/demo/sm_90a")
+    assert demo is not None
+    return {
+        "root": str(root),
+        STORE_AS_DOCUMENTED: str(store),
+        "8f05e5cc484aa24068b8334602c145fb": demo.name,
+        "<generation-a>": str(first),
+        "<generation-b>": str(second),
+        "<generation>": second.name,
+        "3f2a9c1e": first.name[:8],
+        "7b0d44aa": second.name[:8],
+    }
+
+
+def test_every_command_shown_runs_here_or_says_why_not():
+    for command in shown_commands():
+        program = next(w for w in command.split(" ") if "=" not in w)
+        skipped = any(command.startswith(start) for start in NOT_HERE)
+        assert skipped or program in ("kernelcache", "helm"), command
+    assert set(EXPECTED_EXIT) <= set(shown_commands()), "an expected exit of no doc command"
+
+
+@pytest.mark.parametrize("command", sorted(shown_commands()))
+def test_a_command_the_docs_show_runs(sandbox, command):
+    if reason := next((why for start, why in NOT_HERE.items() if command.startswith(start)), None):
+        pytest.skip(f"{command}: {reason}")
+    text = command
+    for word, value in sandbox.items():
+        text = text.replace(word, value)
+    words = shlex.split(text)
+    words = words[: next((i for i, w in enumerate(words) if w in (">", "|")), len(words))]
+    env = {}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words[0] == "kernelcache":
+        proc = run_kernelcache(*words[1:], cwd=Path(sandbox["root"]), **env)
+    else:
+        if words[1] in ("install", "upgrade"):
+            words = [words[0], "template", *[w for w in words[2:] if w not in RELEASE_FLAGS]]
+        proc = subprocess.run([str(HELM), *words[1:]], cwd=sandbox["root"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+    expected = EXPECTED_EXIT.get(command, 0)
+    assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
