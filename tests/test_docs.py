@@ -515,3 +515,70 @@ def test_a_command_the_docs_show_runs(sandbox, command):
                               text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
     expected = EXPECTED_EXIT.get(command, 0)
     assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+# --- the images ---------------------------------------------------------------------------------
+
+DOCKERFILES = sorted(REPO.glob("*/Dockerfile"))
+
+
+def dockerignored(path: str, rules: list[str]) -> bool:
+    """Whether the builder leaves ``path`` (relative to the context) out: the last rule that
+    matches it or a directory above it decides, ``!`` keeping it (Docker's semantics)."""
+    from fnmatch import fnmatchcase
+
+    parts = path.split("/")
+    ignored = False
+    for rule in rules:
+        keep = rule.startswith("!")
+        pattern = rule.removeprefix("!").strip("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        wildcard = pattern.removeprefix("**/")
+        if any(fnmatchcase(p, pattern) for p in prefixes) or (
+            pattern.startswith("**/") and any(fnmatchcase(part, wildcard) for part in parts)
+        ):
+            ignored = not keep
+    return ignored
+
+
+def test_the_build_context_holds_what_the_dockerfiles_copy_and_no_more():
+    rules = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    copied = {
+        source
+        for dockerfile in DOCKERFILES
+        for line in dockerfile.read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+        for source in line.split()[1:-1]
+    }
+    assert copied, DOCKERFILES
+    for source in copied:
+        assert not dockerignored(source, rules), source
+    for source in copied:
+        for path in (REPO / source).rglob("*") if (REPO / source).is_dir() else []:
+            rel = str(path.relative_to(REPO))
+            assert not dockerignored(rel, rules) or "__pycache__" in rel, rel
+    outside = (".venv/bin/python", ".tools/bin/helm", ".git/HEAD", "tests/test_docs.py",
+               "demo-store/x", "src/kernelcache/__pycache__/cli.cpython-311.pyc")  # fmt: skip
+    for left_out in outside:
+        assert dockerignored(left_out, rules), left_out
+
+
+def test_the_serving_image_defaults_to_the_vllm_the_benchmarks_measured():
+    measured = re.search(r"vLLM (\d+\.\d+\.\d+)", (REPO / "docs" / "BENCHMARKS.md").read_text())
+    assert measured is not None
+    default = re.search(
+        r"^ARG VLLM_IMAGE=\S+:v(\S+)$", (REPO / "serving" / "Dockerfile").read_text(), re.M
+    )
+    assert default is not None and default[1] == measured[1]
+
+
+def test_the_package_license_is_an_spdx_expression_with_its_file():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert all((REPO / f).is_file() for f in project["license-files"])

@@ -31,7 +31,7 @@ complete -o filenames -F _kernelcache kernelcache
 """
 
 # What an option's value or a positional argument completes to.
-_PATHS = "$(compgen -f -- \"$cur\")"
+_PATHS = '$(compgen -f -- "$cur")'
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -63,7 +63,7 @@ def _case(name: str, parser: argparse.ArgumentParser, words: list[str]) -> str:
             continue
         found = _value_completion(action)
         value = f"COMPREPLY=({found})" if found else "COMPREPLY=()"
-        lines.append(f'                {"|".join(action.option_strings)}) {value}; return ;;')
+        lines.append(f"                {'|'.join(action.option_strings)}) {value}; return ;;")
     lines.append("            esac")
     options = [o for action in parser._actions for o in action.option_strings]
     positional = [
@@ -93,4 +93,3 @@ def script(parser: argparse.ArgumentParser, shell: str) -> str:
     if shell == "zsh":
         return "autoload -U +X bashcompinit && bashcompinit\n" + bash(parser)
     raise ValueError(f"no completion for {shell}")
-
