@@ -548,7 +548,6 @@ def test_an_object_name_the_api_server_would_refuse_is_refused_naming_the_field(
 
 
 def test_operator_without_kopf_is_not_installed_naming_the_extra(tmp_path):
-    (tmp_path / "kopf.py").write_text("raise ModuleNotFoundError('no kopf', name='kopf')\n")
     (tmp_path / "sitecustomize.py").write_text(
         "import sys\nsys.modules['kopf'] = None\n"  # as if kopf were not installed
     )
@@ -568,6 +567,14 @@ def test_a_missing_signing_key_is_a_bad_argument_before_any_work(tmp_path, comma
     assert proc.returncode == ExitCode.USAGE, proc.stderr
     assert f"--signing-key {key}: no such file" in proc.stderr.splitlines()[-1]
     assert not store.exists()
+
+
+def test_a_missing_public_key_is_a_bad_argument_too(published, tmp_path):
+    key = tmp_path / "no-such.pub"
+    proc = run_kernelcache("verify", "--store", str(published), "--key", KEY,
+                           "--public-key", str(key))  # fmt: skip
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    assert f"--public-key {key}: no such file" in one_line_error(proc)
 
 
 def test_ctrl_c_is_130_and_in_the_table(tmp_path):

@@ -9,6 +9,7 @@ unexpected error is reported the same way, never as a traceback. How results are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -65,12 +66,12 @@ def _arches(kc: Any, requested: list[str] | None) -> list[str]:
     return list(dict.fromkeys(requested))  # an arch given twice is warmed once
 
 
-def _check_signing_key(path: Path | None) -> None:
-    """A --signing-key that names no file is a bad argument (exit 2), found before any work;
+def _check_key_file(path: Path | None, flag: str) -> None:
+    """A key option that names no file is a bad argument (exit 2), found before any work;
     a key file that is there but unusable is the signature class."""
     if path is not None and not path.is_file():
         what = "is not a file" if path.exists() else "no such file"
-        raise SpecError(f"--signing-key {path}: {what}", path=str(path))
+        raise SpecError(f"{flag} {path}: {what}", path=str(path))
 
 
 def _signing_key(path: Path | None) -> Any:
@@ -78,7 +79,7 @@ def _signing_key(path: Path | None) -> Any:
         return None
     from kernelcache.store import load_private_key
 
-    _check_signing_key(path)
+    _check_key_file(path, "--signing-key")
     return load_private_key(path)
 
 
@@ -92,7 +93,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
-    _check_signing_key(args.signing_key)
+    _check_key_file(args.signing_key, "--signing-key")
     view = output.BuildView(kc)
     try:
         results = build.build(
@@ -161,10 +162,8 @@ def _warm_failed(args: argparse.Namespace, code: int, line: str, seconds: float)
         arch=args.arch, status="failed", seconds=round(seconds, 3), exit_code=code, message=message
     )
     if args.result is not None:
-        try:
+        with contextlib.suppress(KernelCacheError):  # one line: the failure being reported
             build.write_result(args.result, result)
-        except KernelCacheError as exc:  # the failure already being reported wins
-            print(error_line(exc), file=sys.stderr)
     return asdict(result)
 
 
@@ -179,6 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     log = args.termination_log or initcontainer.default_termination_log()
     try:
+        _check_key_file(args.public_key, "--public-key")
         namespace, name = args.namespace, args.name
         if args.file is not None:
             kc = _load_spec(args.file)
