@@ -27,6 +27,7 @@ from kernelcache.errors import (
     KernelCacheError,
     MissingGenerationError,
     NotInstalledError,
+    SignatureError,
     SpecError,
     error_line,
     error_object,
@@ -67,11 +68,11 @@ def _arches(kc: Any, requested: list[str] | None) -> list[str]:
 
 
 def _check_key_file(path: Path | None, flag: str) -> None:
-    """A key option that names no file is a bad argument (exit 2), found before any work;
-    a key file that is there but unusable is the signature class."""
+    """A key that is not there is the signature class (as ``verify --public-key``'s is),
+    found before any work: ``build`` would otherwise warm each arch to fail at publish."""
     if path is not None and not path.is_file():
         what = "is not a file" if path.exists() else "no such file"
-        raise SpecError(f"{flag} {path}: {what}", path=str(path))
+        raise SignatureError(f"{flag} {path}: {what}", path=str(path))
 
 
 def _signing_key(path: Path | None) -> Any:
@@ -178,7 +179,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     log = args.termination_log or initcontainer.default_termination_log()
     try:
-        _check_key_file(args.public_key, "--public-key")
         namespace, name = args.namespace, args.name
         if args.file is not None:
             kc = _load_spec(args.file)

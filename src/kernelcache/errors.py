@@ -18,7 +18,7 @@ class ExitCode(IntEnum):
     MISSING_GENERATION = 3  # no published generation for this key/arch
     STAMP_MISMATCH = 4  # the generation was built for another environment
     INTEGRITY = 5  # a file is missing, altered, truncated or not in the manifest
-    SIGNATURE = 6  # signature missing, invalid, or key unusable
+    SIGNATURE = 6  # signature missing or invalid; a signing or public key missing or unusable
     MALFORMED_MANIFEST = 7  # MANIFEST.json unreadable or not the expected schema
     UNSAFE_PATH = 8  # a manifest path or symlink that escapes the generation
     NO_GPU_INFO = 9  # the target arch could not be determined
@@ -36,7 +36,7 @@ EXIT_CODE_HELP = {
     ExitCode.MISSING_GENERATION: "no published generation for the key",
     ExitCode.STAMP_MISMATCH: "stamp does not match this environment (factor named)",
     ExitCode.INTEGRITY: "a file is missing, altered, truncated or unlisted",
-    ExitCode.SIGNATURE: "manifest signature missing or invalid, or the key unusable",
+    ExitCode.SIGNATURE: "manifest signature missing or invalid; a key missing or unusable",
     ExitCode.MALFORMED_MANIFEST: "manifest unreadable or wrong schema",
     ExitCode.UNSAFE_PATH: "a path or symlink escapes the generation",
     ExitCode.NO_GPU_INFO: "target arch could not be determined",
