@@ -42,7 +42,7 @@ GC_LOCK_TIMEOUT_S = 60.0
 
 
 def _exit_codes_epilog() -> str:
-    rows = "\n".join(f"  {int(code):>2}  {text}" for code, text in EXIT_CODE_HELP.items())
+    rows = "\n".join(f"  {int(code):>3}  {text}" for code, text in EXIT_CODE_HELP.items())
     return f"exit codes (every command):\n{rows}"
 
 
