@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,10 +21,13 @@ from kernelcache.errors import ExitCode
 from kernelcache.store import Store, manifest_checksum
 from tests.conftest import (
     HAVE_CUTE,
+    REPO,
+    checked,
     kernelcache_doc,
     one_line_error,
     run_kernelcache,
     subprocess_env,
+    wait_until,
     write_warmer_spec,
 )
 
@@ -405,3 +410,254 @@ def test_explain_and_check_env_label_the_sides_the_same_way(tmp_path):
     assert f"(generation {generation[:16]}) != " in explain_line
     assert explain_line.endswith("(this environment)")
     assert explain_line in verify_line
+
+
+# --- documents nested past any real one: refused as the file's class, naming it ----------------
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def deep_manifest(tmp_path: Path, depth: int) -> Path:
+    path = tmp_path / "gen" / "MANIFEST.json"
+    path.parent.mkdir()
+    path.write_text(nested(depth))
+    return path
+
+
+@pytest.mark.parametrize("depth", [100_000, 80])  # past the recursion limit; past ours only
+def test_a_deeply_nested_manifest_is_a_malformed_manifest_naming_it(tmp_path, depth):
+    manifest = deep_manifest(tmp_path, depth)
+    for args in (["explain", str(manifest), str(manifest)], ["doctor", str(manifest.parent)]):
+        proc = run_kernelcache(*args, "--arch", "sm_90a") if args[0] == "doctor" else None
+        proc = proc or run_kernelcache(*args)
+        assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
+        line = one_line_error(proc)
+        assert str(manifest) in line and "nested deeper than" in line, line
+
+
+@pytest.mark.parametrize("depth", [20_000, 80])
+def test_a_deeply_nested_spec_is_a_spec_error_naming_the_file(tmp_path, depth):
+    warmer = {**writes_one_file(), "workload": {"x": "DEEP"}}
+    text = yaml.safe_dump(kernelcache_doc("kc", warmers=[warmer])).replace("DEEP", nested(depth))
+    line = refused(tmp_path, text)
+    assert str(tmp_path / "kc.yaml") in line and "nested deeper than" in line
+
+
+def test_a_deeply_nested_node_map_is_no_gpu_info_naming_the_node(published, tmp_path):
+    node_map = tmp_path / "node-map"
+    node_map.mkdir()
+    (node_map / "node-a").write_text('{"a": ' + nested(100_000) + "}")
+    proc = run_kernelcache(
+        "verify", "--store", str(published), "--namespace", "default", "--name", "kc",
+        "--node-name", "node-a", "--node-map", str(node_map),
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.NO_GPU_INFO, proc.stderr
+    line = one_line_error(proc)
+    assert "node node-a" in line and "nested deeper than" in line
+
+
+def test_a_deeply_nested_history_is_ignored_and_gc_still_runs(published):
+    """HISTORY.json only orders generations: nested past any real one it counts as empty
+    (with a warning), as any malformed history does; gc and inspect go on."""
+    (published / KEY / "HISTORY.json").write_text(nested(100_000))
+    for command in ("gc", "inspect"):
+        proc = run_kernelcache(command, "--store", str(published))
+        assert proc.returncode == 0, proc.stderr
+        assert "internal error" not in proc.stderr
+
+
+# --- keygen: both files or neither ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("present", ["kernelcache.pub", "kernelcache.key", "dangling-pub"])
+def test_keygen_next_to_either_existing_file_writes_nothing(tmp_path, present):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    if present == "dangling-pub":  # a link to nothing is still a name keygen must not take
+        (keys / "kernelcache.pub").symlink_to(tmp_path / "nowhere")
+        present = "kernelcache.pub"
+    else:
+        (keys / present).write_text("old\n")
+    proc = run_kernelcache("keygen", str(keys))
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    assert f"{keys / present}: already exists" in one_line_error(proc)
+    assert sorted(os.listdir(keys)) == ["kernelcache.pub" if "pub" in present else present]
+
+
+def test_keygen_into_a_file_says_it_is_not_a_directory(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("")
+    proc = run_kernelcache("keygen", str(target))
+    assert proc.returncode == ExitCode.USAGE
+    assert f"{target}: not a directory" in one_line_error(proc)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_keygen_writes_a_pair_that_signs_and_verifies(tmp_path):
+    from kernelcache.store import load_private_key, load_public_key
+
+    proc = run_kernelcache("keygen", str(tmp_path / "keys"))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path / "keys")) == ["kernelcache.key", "kernelcache.pub"]
+    private = load_private_key(tmp_path / "keys" / "kernelcache.key")
+    public = load_public_key(tmp_path / "keys" / "kernelcache.pub")
+    public.verify(private.sign(b"m"), b"m")  # raises on a mismatched pair
+    assert (tmp_path / "keys" / "kernelcache.key").stat().st_mode & 0o777 == 0o600
+
+
+# --- names that become label values or object names -----------------------------------------
+
+
+def test_a_name_longer_than_a_label_value_is_refused_by_file_and_api(tmp_path):
+    from kernelcache.crd import crd_manifest
+    from kernelcache.errors import SpecError
+    from kernelcache.spec import parse_kernelcache
+
+    doc = kernelcache_doc("a" * 64, warmers=[writes_one_file()])
+    line = refused(tmp_path, yaml.safe_dump(doc))
+    assert "metadata.name" in line and "63" in line
+    with pytest.raises(SpecError, match=r"metadata\.name"):
+        parse_kernelcache(doc, "admission")  # the webhook's check
+    rules = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert {"self.metadata.name.size() <= 63"} == {
+        r["rule"] for r in rules["x-kubernetes-validations"]
+    }
+    doc["metadata"]["name"] = "a" * 63
+    assert parse_kernelcache(doc, "admission").metadata.name == "a" * 63
+
+
+@pytest.mark.parametrize(
+    ("field", "spec"),
+    [
+        ("spec.verification.signing.secretName",
+         {"verification": {"signing": {"enabled": True, "secretName": "Keys_Of_Mine"}}}),
+        ("spec.storage.existingClaim", {"storage": {"existingClaim": "claim/x"}}),
+        ("spec.imagePullSecrets[0].name", {"imagePullSecrets": [{"name": "a" * 254}]}),
+    ],
+)  # fmt: skip
+def test_an_object_name_the_api_server_would_refuse_is_refused_naming_the_field(
+    tmp_path, field, spec
+):
+    line = refused(tmp_path, good_yaml(**spec))
+    assert field in line, line
+
+
+# --- exit codes: every one in the table -------------------------------------------------------
+
+
+def test_operator_without_kopf_is_not_installed_naming_the_extra(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['kopf'] = None\n"  # as if kopf were not installed
+    )
+    proc = run_kernelcache("operator", PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO / 'src'}")
+    assert proc.returncode == ExitCode.NOT_INSTALLED, proc.stderr
+    line = one_line_error(proc)
+    assert "kopf is not installed" in line and "kernelcache[operator]" in line
+
+
+@pytest.mark.parametrize("command", ["warm", "build"])
+def test_a_missing_signing_key_is_the_signature_class_before_any_work(tmp_path, command):
+    """As the table says (and as verify's missing --public-key is): exit 6, nothing warmed."""
+    spec = write_warmer_spec(tmp_path, writes_one_file())
+    store, key = tmp_path / "store", tmp_path / "no-such.key"
+    args = ["--arch", "sm_90a"] if command == "warm" else []
+    proc = run_kernelcache(command, "-f", str(spec), "--store", str(store), *args,
+                           "--signing-key", str(key))  # fmt: skip
+    assert proc.returncode == ExitCode.SIGNATURE, proc.stderr
+    assert f"--signing-key {key}: no such file" in proc.stderr.splitlines()[-1]
+    assert not store.exists()
+
+
+def test_ctrl_c_is_130_and_in_the_table(tmp_path):
+    from kernelcache.errors import EXIT_CODE_HELP
+
+    started = tmp_path / "started"
+    script = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(30)"
+    spec = write_warmer_spec(
+        tmp_path, {"type": "command", "command": [sys.executable, "-c", script]}
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelcache", "warm", "-f", str(spec), "--store",
+         str(tmp_path / "s"), "--arch", "sm_90a"],
+        env=subprocess_env(), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_until(started.exists, timeout=120, what="the warmer to start")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.INTERRUPTED == 130, err
+    assert err.strip().splitlines()[-1] == "kernelcache: interrupted"
+    assert ExitCode.INTERRUPTED in EXIT_CODE_HELP
+    assert not Store(tmp_path / "s").keys()  # nothing half-published
+
+
+# --- lines that said the wrong thing ----------------------------------------------------------
+
+
+def test_explain_of_a_directory_without_a_manifest_says_so(published, tmp_path):
+    gen = Store(published).current(KEY)
+    proc = run_kernelcache("explain", str(gen), str(tmp_path))
+    assert proc.returncode == ExitCode.USAGE
+    line = one_line_error(proc)
+    assert f"{tmp_path}: a directory without MANIFEST.json" in line
+    assert "No such file" not in line
+
+
+def test_doctor_takes_a_key_or_generation_id_with_store(published):
+    gen = Store(published).current(KEY)
+    assert gen is not None
+    for ref in (KEY, gen.name[:12]):
+        proc = run_kernelcache("doctor", ref, "--store", str(published), "--arch", "sm_90a",
+                               "--json")  # fmt: skip
+        assert "needs --store" not in proc.stderr
+        report = json.loads(proc.stdout)
+        stamp_row = next(c for c in report["checks"] if c["check"] == "stamp")
+        assert gen.name in stamp_row["detail"], stamp_row
+
+
+def test_doctor_without_an_arch_never_calls_the_stamp_a_hit(published):
+    gen = Store(published).current(KEY)
+    env = {"CUTE_DSL_ARCH": "", "PATH": "/nonexistent"}  # no arch given, none to be found
+    proc = run_kernelcache("doctor", str(gen), "--json", **env)
+    report = json.loads(proc.stdout)
+    rows = {c["check"]: c for c in report["checks"]}
+    assert rows["gpu"]["status"] == "fail"
+    assert rows["stamp"]["status"] == "fail" and "(a hit)" not in rows["stamp"]["detail"]
+    assert proc.returncode == ExitCode.NO_GPU_INFO
+
+
+# --- the smaller ones ---------------------------------------------------------------------------
+
+
+def test_gc_names_the_lock_holder_and_gives_up_after_its_timeout(published):
+    with Store(published).writer(KEY):  # a build warming this key
+        proc = run_kernelcache("gc", "--store", str(published), "--timeout", "0.2")
+    assert proc.returncode == ExitCode.LOCKED, proc.stderr
+    waiting, error = proc.stderr.strip().splitlines()
+    assert f"{KEY}: waiting for the writer lock (pid {os.getpid()}" in waiting
+    assert error.startswith("kernelcache: error: ") and "gave up after 0.2s" in error
+
+
+def test_inspect_lists_healthy_keys_beside_one_with_a_broken_current(published):
+    from tests.helpers.generations import publish
+
+    publish(published, "default/other/sm_90a")
+    (published / KEY / "CURRENT").write_text("not-a-generation\n")
+    for json_flag in ([], ["--json"]):
+        proc = run_kernelcache("inspect", "--store", str(published), *json_flag)
+        assert proc.returncode == ExitCode.INTEGRITY, proc.stderr
+        assert "default/other/sm_90a" in proc.stdout
+        assert f"{published / KEY / 'CURRENT'}: not a generation id" in one_line_error(proc)
+    rows = checked("inspect", proc.stdout)
+    broken = [r for r in rows if "error" in r]
+    assert [r["key"] for r in broken] == [KEY]
+    assert broken[0]["error"]["exit_code"] == ExitCode.INTEGRITY
+
+
+@pytest.mark.parametrize("var", ["TRITON_CACHE_DIR", "VLLM_CACHE_ROOT"])
+def test_a_warmer_env_that_sets_a_cache_variable_is_refused_naming_it(tmp_path, var):
+    line = refused(tmp_path, good_yaml().replace(
+        "  - type: command\n", f"  - type: command\n    env:\n      {var}: /elsewhere\n"
+    ))  # fmt: skip
+    assert f"spec.warmers[0].env.{var}" in line and "files/" in line

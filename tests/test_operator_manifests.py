@@ -54,6 +54,20 @@ def test_job_name_is_deterministic_and_fits_a_label() -> None:
     assert dotted == "kc-team-model-sm-90a-ffffffffff"
 
 
+def test_compile_job_pulls_the_engine_image_with_the_specs_pull_secrets() -> None:
+    """spec.imagePullSecrets reach the compile Job's pod spec as they are; none: no key."""
+    kc = kernelcache(imagePullSecrets=[{"name": "regcred"}, {"name": "mirror"}])
+    job = manifests.compile_job(
+        kc, arch="sm_90a", digest="d" * 16, attempt=0, owner=OWNER, config=CONFIG
+    )
+    pod = job["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    plain = manifests.compile_job(
+        kernelcache(), arch="sm_90a", digest="d" * 16, attempt=0, owner=OWNER, config=CONFIG
+    )
+    assert "imagePullSecrets" not in plain["spec"]["template"]["spec"]
+
+
 def test_owner_reference_points_at_the_kernelcache() -> None:
     body = {"metadata": {"name": "demo", "namespace": "default", "uid": UID}}
     assert manifests.owner_reference(body) == OWNER

@@ -394,7 +394,7 @@ def test_republish_signs_the_kept_generation(store: Store, tmp_path: Path) -> No
 def test_key_files(tmp_path: Path) -> None:
     priv, pub = generate_keypair(tmp_path)
     assert priv.stat().st_mode & 0o777 == 0o600
-    with pytest.raises(StorageError, match="EEXIST"):
+    with pytest.raises(SpecError, match="already exists"):
         generate_keypair(tmp_path)  # never overwrites a key
 
     raw = Ed25519PrivateKey.generate()

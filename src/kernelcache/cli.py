@@ -9,9 +9,12 @@ unexpected error is reported the same way, never as a traceback. How results are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -23,22 +26,33 @@ from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
     MissingGenerationError,
+    NotInstalledError,
+    SignatureError,
     SpecError,
+    error_line,
+    error_object,
+    exit_code_of,
     one_line,
 )
 from kernelcache.output import console as _console
-from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
+from kernelcache.spec import ARCH, PUBLIC_KEY_FILE, SIGNING_KEY_FILE
+
+# gc takes each key's writer lock; a build holds it while it warms (minutes).
+GC_LOCK_TIMEOUT_S = 60.0
 
 
 def _exit_codes_epilog() -> str:
-    rows = "\n".join(f"  {int(code):>2}  {text}" for code, text in EXIT_CODE_HELP.items())
+    rows = "\n".join(f"  {int(code):>3}  {text}" for code, text in EXIT_CODE_HELP.items())
     return f"exit codes (every command):\n{rows}"
 
 
 def _load_spec(path: Path) -> Any:
     from kernelcache.spec import load_kernelcache
+    from kernelcache.toolchains import check_warmer_env
 
-    return load_kernelcache(path)
+    kc = load_kernelcache(path)
+    check_warmer_env(kc.spec.warmers, str(path))
+    return kc
 
 
 def _arches(kc: Any, requested: list[str] | None) -> list[str]:
@@ -53,11 +67,20 @@ def _arches(kc: Any, requested: list[str] | None) -> list[str]:
     return list(dict.fromkeys(requested))  # an arch given twice is warmed once
 
 
+def _check_key_file(path: Path | None, flag: str) -> None:
+    """A key that is not there is the signature class (as ``verify --public-key``'s is),
+    found before any work: ``build`` would otherwise warm each arch to fail at publish."""
+    if path is not None and not path.is_file():
+        what = "is not a file" if path.exists() else "no such file"
+        raise SignatureError(f"{flag} {path}: {what}", path=str(path))
+
+
 def _signing_key(path: Path | None) -> Any:
     if path is None:
         return None
     from kernelcache.store import load_private_key
 
+    _check_key_file(path, "--signing-key")
     return load_private_key(path)
 
 
@@ -71,6 +94,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
+    _check_key_file(args.signing_key, "--signing-key")
     view = output.BuildView(kc)
     try:
         results = build.build(
@@ -116,7 +140,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         signing_key=_signing_key(args.signing_key),
         force=args.force,
     )
-    if args.result:
+    if args.result is not None:
         build.write_result(args.result, result)
     if args.json:
         output.print_json(asdict(result))
@@ -125,6 +149,23 @@ def cmd_warm(args: argparse.Namespace) -> int:
             f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)"
         )
     return 0
+
+
+def _warm_failed(args: argparse.Namespace, code: int, line: str, seconds: float) -> Any:
+    """A failed warm is a result too: written to --result (a compile Job's termination
+    message, which the operator reads) and printed under --json, saying why it failed."""
+    from kernelcache import build
+
+    if not (isinstance(args.arch, str) and re.fullmatch(ARCH, args.arch)):
+        return None  # no arch to report on: the plain failure object
+    message = line.removeprefix("kernelcache: ").removeprefix("error: ")
+    result = build.ArchResult(
+        arch=args.arch, status="failed", seconds=round(seconds, 3), exit_code=code, message=message
+    )
+    if args.result is not None:
+        with contextlib.suppress(KernelCacheError):  # one line: the failure being reported
+            build.write_result(args.result, result)
+    return asdict(result)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -160,14 +201,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             materialize=args.materialize,
         )
         outcome = initcontainer.run(options)
-    except Exception as exc:  # printed here, so that both places hold the very same line
-        line = initcontainer.error_line(exc)
-        initcontainer.write_termination_log(log, line)
-        print(line, file=sys.stderr)
-        code = int(exc.code) if isinstance(exc, KernelCacheError) else int(ExitCode.FAILURE)
-        if args.json:
-            output.print_json({"ok": False, "error": {"exit_code": code, "message": line}})
-        return code
+    except Exception as exc:  # main prints the very same line
+        initcontainer.write_termination_log(log, error_line(exc))
+        raise
     for warning in outcome.warnings:
         print(f"kernelcache: warning: {warning}", file=sys.stderr)
     if args.json:
@@ -197,6 +233,8 @@ def _manifest_of(ref: str, store_root: Path | None) -> Any:
             raise MissingGenerationError(f"{ref}: {what} in {store.root} with this id")
         return next(iter(matches.values()))
     if path.is_dir():
+        if not (path / MANIFEST_NAME).exists():
+            raise SpecError(f"{ref}: a directory without {MANIFEST_NAME}: not a generation dir")
         path = path / MANIFEST_NAME
     try:
         data = path.read_bytes()
@@ -259,15 +297,25 @@ def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """List keys, generations and what the current one holds."""
-    from rich.table import Table
+    """List keys, generations and what the current one holds.
 
+    A key that cannot be read (a broken CURRENT, say) is listed with its error and hides no
+    other key; the exit code is then the first such error's class.
+    """
     store = _existing_store(args.store)
     keys = [_published_key(store, args.key)] if args.key else store.keys()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failures: list[KernelCacheError] = []
     for key in keys:
-        current = store.current_manifest(key)
-        for m in store.generations(key):
+        try:
+            current = store.current_manifest(key)
+            generations = store.generations(key)
+        except KernelCacheError as exc:
+            failures.append(exc)
+            print(error_line(exc), file=sys.stderr)
+            rows.append({"key": key, "error": error_object(exc.code, error_line(exc))["error"]})
+            continue
+        for m in generations:
             rows.append(
                 {
                     "key": key,
@@ -280,14 +328,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "report": m.report if args.json else None,
                 }
             )
+    code = int(failures[0].code) if failures else 0
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
-    table = Table(title=f"kernelcache store {args.store}")
-    for column in ("key", "generation", "current", "created", "files", "bytes", "stamp"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(
+        return code
+    columns = ("key", "generation", "current", "created", "files", "bytes", "stamp")
+    cells = [
+        [row["key"], "unreadable: see the error above", "", "", "", "", ""]
+        if "error" in row
+        else [
             str(row["key"]),
             str(row["generation"])[:16],
             "*" if row["current"] else "",
@@ -295,9 +344,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             str(row["files"]),
             f"{row['bytes']:,}",
             str(row["stamp"]).removeprefix("blake3:")[:16],
-        )
-    _console().print(table)
-    return 0
+        ]
+        for row in rows
+    ]
+    title = f"kernelcache store {args.store}"
+    whole, right = ("key", "generation", "current"), ("files", "bytes")
+    _console().print(output.table(title, columns, cells, whole=whole, right=right))
+    return code
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -307,7 +360,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     keys = []
     for key in [_published_key(store, args.key)] if args.key else store.keys():
-        removed = store.gc(key, keep=args.keep, dry_run=args.dry_run)
+
+        def waiting(holder: str, key: str = key) -> None:
+            print(
+                f"kernelcache: {key}: waiting for the writer lock ({holder}), at most "
+                f"{args.timeout:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        removed = store.gc(
+            key, keep=args.keep, dry_run=args.dry_run, timeout=args.timeout, on_wait=waiting
+        )
         keys.append({"key": key, "removed": removed})
         if not args.json:
             print(f"{key}: {verb} {len(removed)} generation(s)" + "".join(f" {r}" for r in removed))
@@ -320,15 +384,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Check this environment before anything runs: GPU and arch, toolchains, cache variables,
     the start-up hook, and against a generation the stamp factors that would make it miss.
 
-    The generation is a generation dir or MANIFEST.json, or the current one of -f SPEC in
-    --store for this arch; -f alone checks the toolchains the spec's warmers need.
+    The generation is a generation dir or MANIFEST.json, with --store a key or generation id,
+    or the current one of -f SPEC in --store for this arch; -f alone checks the toolchains
+    the spec's warmers need.
     """
     from kernelcache import doctor
     from kernelcache.store import Store
 
     manifest, warmer_types = None, None
     if args.generation is not None:
-        manifest = _manifest_of(args.generation, None)
+        manifest = _manifest_of(args.generation, args.store)
     if args.file is not None:
         kc = _load_spec(args.file)
         warmer_types = [w.type for w in kc.spec.warmers]
@@ -383,8 +448,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     try:
         from kernelcache.controller.main import run
     except ModuleNotFoundError as exc:
-        missing = f"operator: {exc.name} is missing; install kernelcache[operator]"
-        raise KernelCacheError(missing) from None
+        missing = f"operator: {exc.name} is not installed; install kernelcache[operator]"
+        raise NotInstalledError(missing) from None
     return run(verbose=args.verbose)
 
 
@@ -419,6 +484,16 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -430,10 +505,10 @@ def _non_negative(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr like every other failure."""
+    """argparse, but a bad command line is a failure like every other (``main`` reports it)."""
 
     def error(self, message: str) -> Any:
-        self.exit(int(ExitCode.USAGE), f"kernelcache: error: {self.prog}: {one_line(message)}\n")
+        raise SpecError(f"{self.prog}: {one_line(message)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,7 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kernelcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str) -> Any:
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help_text: str,
+        failed: Callable[[argparse.Namespace, int, str, float], Any] | None = None,
+    ) -> Any:
         p = sub.add_parser(
             name,
             help=help_text,
@@ -454,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
             epilog="exit codes: see kernelcache --help",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, failed=failed)
         return p
 
     def store_arg(p: Any) -> None:
@@ -473,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     json_arg(p, "build.json")
 
-    p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)")
+    p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)", _warm_failed)
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", required=True, help="SM arch, e.g. sm_90a")
@@ -566,15 +646,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", type=_non_negative, default=2, help="kept besides the current (default 2)"
     )
     p.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=GC_LOCK_TIMEOUT_S,
+        metavar="SECONDS",
+        help="wait at most this long for a key's writer lock, held by a build while it warms "
+        f"(default {GC_LOCK_TIMEOUT_S:g}; then exit {int(ExitCode.LOCKED)})",
+    )
     json_arg(p, "gc.json")
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
     p = add("doctor", cmd_doctor, "check this environment against a generation or a spec")
-    p.add_argument("generation", nargs="?", help="generation dir or MANIFEST.json to check against")
+    p.add_argument(
+        "generation",
+        nargs="?",
+        help="generation dir or MANIFEST.json, or KEY or generation id (with --store)",
+    )
     p.add_argument("-f", "--file", type=_path, help="KernelCache YAML: its warmers' toolchains")
-    p.add_argument("--store", type=_path, help="with -f: check against the current generation")
+    p.add_argument(
+        "--store", type=_path, help="store root: of a KEY or generation id, or with -f of its key"
+    )
     p.add_argument("--arch", help="this node's SM arch (else CUTE_DSL_ARCH, else the GPU)")
     json_arg(p, "doctor.json")
 
@@ -594,19 +688,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Every failure, a bad command line included, is reported here and
+    only here: its one line on stderr, the exit code of its class and, when ``--json`` was
+    asked for, one failure object on stdout (the command's own, else ``error_object``), so a
+    new subcommand gets all three without a line of its own."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
+    start = time.perf_counter()
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except KernelCacheError as exc:
-        print(f"kernelcache: error: {one_line(exc.message)}", file=sys.stderr)
-        return int(exc.code)
-    except KeyboardInterrupt:
-        print("kernelcache: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # a bug: still one line, with the class to search for
-        line = f"kernelcache: internal error: {type(exc).__name__}: {one_line(exc)}"
-        print(line, file=sys.stderr)
-        return int(ExitCode.FAILURE)
+    except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class to search
+        line, code = error_line(exc), exit_code_of(exc)
+    print(line, file=sys.stderr)
+    failed = getattr(args, "failed", None)
+    payload = failed(args, code, line, time.perf_counter() - start) if failed else None
+    if _wants_json(argv):
+        output.print_json(payload if payload is not None else error_object(code, line))
+    return code
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """``--json`` among the options (read from the words, since a failed parse has no args)."""
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Shell completion scripts generated from the CLI's argparse parser.
 
-Generated, not written by hand, so a new subcommand or option completes without edits here.
+Generated, not written by hand, so a new subcommand or option completes without edits here:
+options complete after ``-``, an option's choices (``--policy``) after it, a path option's
+value (``-f``, ``--store``) and every other argument as a path, unless it has choices.
 bash gets a ``complete -F`` function; zsh loads the same function through ``bashcompinit``.
 """
 
@@ -10,8 +12,9 @@ import argparse
 
 _BASH = """\
 _kernelcache() {{
-    local cur command i
+    local cur prev command i words
     cur="${{COMP_WORDS[COMP_CWORD]}}"
+    prev="${{COMP_WORDS[COMP_CWORD-1]}}"
     command=""
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${{COMP_WORDS[i]}}" in
@@ -19,16 +22,16 @@ _kernelcache() {{
             *) command="${{COMP_WORDS[i]}}"; break ;;
         esac
     done
+    COMPREPLY=()
     case "$command" in
 {cases}
     esac
-    COMPREPLY=($(compgen -W "$words" -- "$cur"))
-    if [[ ${{#COMPREPLY[@]}} -eq 0 && "$cur" != -* ]]; then
-        COMPREPLY=($(compgen -f -- "$cur"))
-    fi
 }}
 complete -o filenames -F _kernelcache kernelcache
 """
+
+# What an option's value or a positional argument completes to.
+_PATHS = '$(compgen -f -- "$cur")'
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -38,26 +41,49 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return {}
 
 
-def _words(parser: argparse.ArgumentParser) -> list[str]:
-    """The options of a parser, and the choices of its positional arguments."""
-    words: list[str] = []
+def _takes_path(action: argparse.Action) -> bool:
+    return getattr(action.type, "__name__", "") in ("Path", "_path")
+
+
+def _value_completion(action: argparse.Action) -> str | None:
+    """The words an argument's value completes to: its choices, paths, or nothing."""
+    if action.choices:
+        return f'$(compgen -W "{" ".join(map(str, action.choices))}" -- "$cur")'
+    if _takes_path(action) or not action.option_strings:
+        return _PATHS
+    return None
+
+
+def _case(name: str, parser: argparse.ArgumentParser, words: list[str]) -> str:
+    """One subcommand's branch: the value of the option before the cursor, else options
+    after ``-``, else its positional arguments (choices or paths)."""
+    lines = [f"        {name})", '            case "$prev" in']
     for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
+        if not action.option_strings or action.nargs == 0:
             continue
-        words.extend(action.option_strings)
-        if not action.option_strings and action.choices:
-            words.extend(str(c) for c in action.choices)
-    return words
+        found = _value_completion(action)
+        value = f"COMPREPLY=({found})" if found else "COMPREPLY=()"
+        lines.append(f"                {'|'.join(action.option_strings)}) {value}; return ;;")
+    lines.append("            esac")
+    options = [o for action in parser._actions for o in action.option_strings]
+    positional = [
+        found
+        for action in parser._actions
+        if not action.option_strings and not isinstance(action, argparse._SubParsersAction)
+        for found in [_value_completion(action)]
+        if found
+    ]
+    listed = f'COMPREPLY=($(compgen -W "{" ".join(options + words)}" -- "$cur"))'
+    if positional:
+        listed = f'if [[ "$cur" == -* ]]; then {listed}; else COMPREPLY=({positional[0]}); fi'
+    lines.append(f"            {listed} ;;")
+    return "\n".join(lines)
 
 
 def bash(parser: argparse.ArgumentParser) -> str:
     commands = subcommands(parser)
-    top = [*commands, *_words(parser)]
-    cases = [f'        "") words="{" ".join(top)}" ;;']
-    cases += [
-        f'        {name}) words="{" ".join(_words(sub))}" ;;' for name, sub in commands.items()
-    ]
-    cases.append('        *) words="" ;;')
+    cases = [_case(name, sub, []) for name, sub in commands.items()]
+    cases.append(_case('""', parser, list(commands)))
     return _BASH.format(cases="\n".join(cases))
 
 

@@ -18,6 +18,7 @@ from kernelcache.spec import (
     API_VERSION,
     GROUP,
     KIND,
+    NAME_MAX,
     PATTERN_HINTS,
     PLURAL,
     VERSION,
@@ -92,6 +93,14 @@ def crd_manifest() -> dict[str, Any]:
         metadata={"type": "object"},
     )
     root["required"] = ["spec"]
+    # Only a rule at the root may constrain metadata.name (the API server allows 253).
+    root["x-kubernetes-validations"] = [
+        {
+            "rule": f"self.metadata.name.size() <= {NAME_MAX}",
+            "message": f"metadata.name: at most {NAME_MAX} characters: serving pods name "
+            "their KernelCache in a label, and a label value is at most that long",
+        }
+    ]
     columns = [
         ("Model", "string", ".spec.model"),
         ("Serving", "string", ".status.servingArches"),

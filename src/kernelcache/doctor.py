@@ -208,6 +208,13 @@ def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
         report.add("stamp", "fail", exc.message, exc.code)
         return
     report.differences = [{"factor": d.name, "generation": d.left, "here": d.right} for d in diffs]
+    if not diffs and arch is None:  # the arch was not compared: no hit can be promised
+        detail = (
+            f"generation {manifest.generation}: the arch here is unknown (the gpu row), so it "
+            "cannot be a hit; every other factor matches"
+        )
+        report.add("stamp", "fail", detail, ExitCode.NO_GPU_INFO)
+        return
     if not diffs:
         report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")
         return

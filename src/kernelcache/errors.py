@@ -18,13 +18,15 @@ class ExitCode(IntEnum):
     MISSING_GENERATION = 3  # no published generation for this key/arch
     STAMP_MISMATCH = 4  # the generation was built for another environment
     INTEGRITY = 5  # a file is missing, altered, truncated or not in the manifest
-    SIGNATURE = 6  # signature missing, invalid, or key unusable
+    SIGNATURE = 6  # signature missing or invalid; a signing or public key missing or unusable
     MALFORMED_MANIFEST = 7  # MANIFEST.json unreadable or not the expected schema
     UNSAFE_PATH = 8  # a manifest path or symlink that escapes the generation
     NO_GPU_INFO = 9  # the target arch could not be determined
     IO = 10  # the store or target could not be read or written (disk full, permissions)
     WARM_FAILED = 11  # a warmer failed, exited or timed out, or a declared one produced nothing
     LOCKED = 12  # another writer holds the key and the wait timed out
+    NOT_INSTALLED = 13  # a command needs a package that is not installed (its extra named)
+    INTERRUPTED = 130  # stopped by SIGINT (Ctrl-C): 128 + the signal, as shells report it
 
 
 EXIT_CODE_HELP = {
@@ -34,13 +36,15 @@ EXIT_CODE_HELP = {
     ExitCode.MISSING_GENERATION: "no published generation for the key",
     ExitCode.STAMP_MISMATCH: "stamp does not match this environment (factor named)",
     ExitCode.INTEGRITY: "a file is missing, altered, truncated or unlisted",
-    ExitCode.SIGNATURE: "manifest signature missing or invalid",
+    ExitCode.SIGNATURE: "manifest signature missing or invalid; a key missing or unusable",
     ExitCode.MALFORMED_MANIFEST: "manifest unreadable or wrong schema",
     ExitCode.UNSAFE_PATH: "a path or symlink escapes the generation",
     ExitCode.NO_GPU_INFO: "target arch could not be determined",
     ExitCode.IO: "store or target missing or not readable/writable (disk full, permissions)",
     ExitCode.WARM_FAILED: "a warmer failed, exited, timed out or produced nothing",
-    ExitCode.LOCKED: "another writer holds the key",
+    ExitCode.LOCKED: "another writer holds the key (and the wait timed out)",
+    ExitCode.NOT_INSTALLED: "a package the command needs is not installed",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C): nothing half-published",
 }
 
 
@@ -113,6 +117,34 @@ class WarmError(KernelCacheError):
 
 class LockedError(KernelCacheError):
     code = ExitCode.LOCKED
+
+
+class NotInstalledError(KernelCacheError):
+    code = ExitCode.NOT_INSTALLED
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a failure is reported as, on stderr and in a termination log alike."""
+    if isinstance(exc, KernelCacheError):
+        return f"kernelcache: error: {one_line(exc.message)}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "kernelcache: interrupted"
+    return f"kernelcache: internal error: {type(exc).__name__}: {one_line(exc)}"
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code of a failure's class: an unexpected error is FAILURE, a bug to report."""
+    if isinstance(exc, KernelCacheError):
+        return int(exc.code)
+    if isinstance(exc, KeyboardInterrupt):
+        return int(ExitCode.INTERRUPTED)
+    return int(ExitCode.FAILURE)
+
+
+def error_object(code: int, message: str) -> dict[str, object]:
+    """What every ``--json`` command prints when it fails (``docs/cli-schemas/error.json``):
+    a script reads the class and the line from stdout, whatever the command."""
+    return {"ok": False, "error": {"exit_code": int(code), "message": message}}
 
 
 class ColdCompileError(RuntimeError):

@@ -41,12 +41,12 @@ from typing import Any
 from kernelcache import contract, envfile, nodemap
 from kernelcache.contract import POLICIES, CacheKey
 from kernelcache.errors import (
-    KernelCacheError,
     MissingGenerationError,
     NoGpuInfoError,
     SignatureError,
     SpecError,
     StorageError,
+    error_line,
     one_line,
 )
 from kernelcache.node import LabelReader, NodeInfo, discover_node
@@ -327,13 +327,6 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
 
 def _one_line(text: object) -> str:
     return one_line(text)  # a file name in the store may hold escapes: never print them
-
-
-def error_line(exc: BaseException) -> str:
-    """The line ``kernelcache`` prints for a failure (``cli.main`` prints the same text)."""
-    if isinstance(exc, KernelCacheError):
-        return f"kernelcache: error: {_one_line(exc.message)}"
-    return f"kernelcache: internal error: {type(exc).__name__}: {_one_line(exc)}"
 
 
 def default_termination_log() -> Path | None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kernelcache.documents import load_json
 from kernelcache.errors import NoGpuInfoError
 
 CONFIGMAP_NAME = "kernelcache-nodes"
@@ -72,7 +73,7 @@ def reader(directory: Path) -> Callable[[str], Mapping[str, str]]:
         except OSError as exc:
             raise NoGpuInfoError(f"node {node}: {where}: cannot read: {exc.strerror}") from None
         try:
-            labels = json.loads(text)
+            labels = load_json(text, f"node {node}: {where}", NoGpuInfoError)
         except ValueError:
             labels = None
         if not isinstance(labels, dict):

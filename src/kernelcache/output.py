@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kernelcache import progress
 from kernelcache.errors import plain
@@ -28,14 +29,47 @@ if TYPE_CHECKING:
 SLOWEST_SHOWN = 3
 
 
+PIPED_WIDTH = 160
+
+
 def console(stderr: bool = False) -> Any:
-    """Rich output; wide when piped, so tables in logs and CI keep every column readable."""
+    """Rich output; wide when piped (unless ``COLUMNS`` says otherwise), so tables in logs
+    and CI keep every column readable."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(
-        stderr=stderr, highlight=False, soft_wrap=True, width=None if stream.isatty() else 160
-    )
+    width = None if stream.isatty() else _columns() or PIPED_WIDTH
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
+
+
+def _columns() -> int | None:
+    text = os.environ.get("COLUMNS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    whole: Collection[str] = (),
+    right: Collection[str] = (),
+) -> Any:
+    """A rich table whose ``whole`` columns (what a reader looks a row up by: a key, an
+    arch, a status) are never cut or wrapped; at any width the other columns wrap instead."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for i, name in enumerate(columns):
+        justify: Literal["left", "right"] = "right" if name in right else "left"
+        if name in whole:
+            width = max([len(name), *(len(row[i]) for row in rows)])
+            t.add_column(name, justify=justify, no_wrap=True, min_width=width)
+        else:
+            t.add_column(name, justify=justify, overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    return t
 
 
 def print_json(payload: Any) -> None:
@@ -146,13 +180,8 @@ class BuildView:
 
 def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
     """The per-arch table and, when anything was compiled, the per-toolchain summary."""
-    from rich.table import Table
-
-    table = Table(title=f"kernelcache build {kc.metadata.namespace}/{kc.metadata.name}")
-    for column in ("arch", "status", "generation", "files", "bytes", "compiled", "seconds"):
-        table.add_column(column, justify="right" if column in ("files", "bytes") else "left")
-    for r in results:
-        table.add_row(
+    rows = [
+        [
             r.arch,
             r.status,
             (r.generation or "-")[:16],
@@ -160,23 +189,40 @@ def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
             f"{r.bytes:,}",
             str(r.compiled),
             f"{r.seconds:.2f}",
+        ]
+        for r in results
+    ]
+    tables = [
+        table(
+            f"kernelcache build {kc.metadata.namespace}/{kc.metadata.name}",
+            ("arch", "status", "generation", "files", "bytes", "compiled", "seconds"),
+            rows,
+            whole=("arch", "status", "generation"),
+            right=("files", "bytes"),
         )
-    tables = [table]
-    rows = [(r.arch, t, r.slowest_kernels) for r in results for t in r.toolchains]
-    if rows:
-        summary = Table(title="compiled per toolchain")
-        for column in ("arch", "toolchain", "kernels", "seconds", "bytes", "slowest"):
-            summary.add_column(column, justify="right" if column == "bytes" else "left")
-        for arch, total, kernels in rows:
-            summary.add_row(
-                arch,
-                total["toolchain"],
-                str(total["compiled"]),
-                f"{total['seconds']:.2f}",
-                f"{total['bytes']:,}",
-                slowest(kernels, total["toolchain"]),
+    ]
+    summary = [
+        [
+            r.arch,
+            total["toolchain"],
+            str(total["compiled"]),
+            f"{total['seconds']:.2f}",
+            f"{total['bytes']:,}",
+            slowest(r.slowest_kernels, total["toolchain"]),
+        ]
+        for r in results
+        for total in r.toolchains
+    ]
+    if summary:
+        tables.append(
+            table(
+                "compiled per toolchain",
+                ("arch", "toolchain", "kernels", "seconds", "bytes", "slowest"),
+                summary,
+                whole=("arch", "toolchain"),
+                right=("bytes",),
             )
-        tables.append(summary)
+        )
     return tables
 
 
@@ -188,11 +234,6 @@ def slowest(kernels: Sequence[dict[str, Any]], toolchain: str) -> str:
 
 
 def doctor_table(report: Report) -> Any:
-    from rich.table import Table
-
-    table = Table(title="kernelcache doctor")
-    for column in ("check", "status", "detail"):
-        table.add_column(column)
-    for check in report.checks:
-        table.add_row(check.check, check.status, check.detail)
-    return table
+    rows = [[c.check, c.status, c.detail] for c in report.checks]
+    columns = ("check", "status", "detail")
+    return table("kernelcache doctor", columns, rows, whole=("check", "status"))

@@ -30,6 +30,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from kernelcache.arch import arch_problem
+from kernelcache.documents import check_depth, depth_guard
 from kernelcache.errors import SpecError
 
 GROUP = "kernelcache.dev"
@@ -41,6 +42,8 @@ PLURAL = "kernelcaches"
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ARCH = r"^sm_[0-9]{2,3}[af]?$"
+# A KernelCache's name is a label value on its serving pods (at most 63 characters).
+NAME_MAX = 63
 DIGEST = r"^sha256:[0-9a-f]{64}$"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 ENTRY_POINT = rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$"
@@ -100,6 +103,9 @@ Quantity = Annotated[
     ),
 ]
 EntryPoint = Annotated[str, Field(pattern=ENTRY_POINT)]
+# The name of another object the compile Job's pod refers to (a Secret, a claim): the API
+# server refuses anything else there, after the Job was made, so it is refused here first.
+ObjectName = Annotated[str, Field(max_length=253, pattern=DNS1123_SUBDOMAIN)]
 
 # strict: the API server rejects "132" for an integer, so the CLI must too.
 _SPEC_CONFIG = ConfigDict(
@@ -123,7 +129,8 @@ class ObjectMeta(BaseModel):
         alias_generator=to_camel, populate_by_name=True, extra="allow", strict=True
     )
 
-    name: str = Field(max_length=253, pattern=DNS1123_SUBDOMAIN)
+    # A serving pod names its KernelCache in a label, and label values stop at 63.
+    name: str = Field(max_length=NAME_MAX, pattern=DNS1123_SUBDOMAIN)
     namespace: str = Field(default="default", max_length=63, pattern=DNS1123_LABEL)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -470,8 +477,8 @@ class Storage(BaseModel):
 
     model_config = _SPEC_CONFIG
 
-    existing_claim: str | None = Field(
-        default=None, min_length=1, description="A PersistentVolumeClaim of this namespace to use."
+    existing_claim: ObjectName | None = Field(
+        default=None, description="A PersistentVolumeClaim of this namespace to use."
     )
     pvc: PvcTemplate | None = Field(
         default=None, description="A claim the operator creates (default: 50Gi ReadWriteMany)."
@@ -514,9 +521,8 @@ class Signing(BaseModel):
     enabled: bool = Field(
         default=False, description="Sign manifests; consumers then refuse unsigned ones."
     )
-    secret_name: str | None = Field(
+    secret_name: ObjectName | None = Field(
         default=None,
-        min_length=1,
         description="Secret holding the key pair `kernelcache keygen` writes; required if enabled.",
     )
 
@@ -543,6 +549,14 @@ class Verification(BaseModel):
     signing: Signing = Field(default=Signing(), description="Manifest signing.")
 
 
+class ImagePullSecret(BaseModel):
+    """A Secret of this namespace holding registry credentials (a pod's imagePullSecrets)."""
+
+    model_config = _SPEC_CONFIG
+
+    name: ObjectName = Field(description="The Secret's name (type kubernetes.io/dockerconfigjson).")
+
+
 class KernelCacheSpec(BaseModel):
     """What to compile (model, engine, warmers), for which GPUs, and where to keep it."""
 
@@ -550,6 +564,11 @@ class KernelCacheSpec(BaseModel):
 
     model: str = Field(min_length=1, description="The served model, e.g. Qwen/Qwen3-30B-A3B.")
     engine: Engine = Field(description="The serving engine image the compile Jobs run in.")
+    image_pull_secrets: list[ImagePullSecret] = Field(
+        default_factory=list,
+        description="Secrets the compile Jobs pull spec.engine.image with (a private registry); "
+        "serving pods keep their own.",
+    )
     gpu_classes: list[GpuClass] = Field(
         min_length=1, description="The kinds of GPU node to build for; one generation per arch."
     )
@@ -807,6 +826,7 @@ def parse_kernelcache(obj: Any, source: str) -> KernelCache:
         raise SpecError(
             f"{source}: expected a KernelCache mapping, got {type(obj).__name__}", path=source
         )
+    check_depth(obj, source, SpecError)
     try:
         return KernelCache.model_validate(obj, by_alias=True, by_name=False)
     except ValidationError as exc:
@@ -836,7 +856,8 @@ def load_kernelcache(path: str | Path) -> KernelCache:
     except UnicodeDecodeError:
         raise SpecError(f"{source}: not UTF-8 text", path=source) from None
     try:
-        docs = [doc for doc in yaml.load_all(text, Loader=_SpecLoader) if doc is not None]
+        with depth_guard(source, SpecError):
+            docs = [doc for doc in yaml.load_all(text, Loader=_SpecLoader) if doc is not None]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

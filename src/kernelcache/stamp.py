@@ -43,6 +43,7 @@ import blake3
 
 from kernelcache import contract
 from kernelcache.arch import arch_problem, from_compute_capability
+from kernelcache.documents import load_json
 from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
 from kernelcache.settings import SETTING_PREFIX, compile_settings
 from kernelcache.sources import SourceError, find_spec_without_import, module_sources
@@ -242,7 +243,7 @@ def to_json(stamp: Stamp) -> str:
 
 def from_json(text: str) -> Stamp:
     try:
-        data = json.loads(text)
+        data = load_json(text, "stamp", ManifestError)
     except ValueError as exc:
         raise ManifestError(f"stamp: not valid JSON ({exc})") from None
     return Stamp.from_dict(data)

@@ -320,6 +320,8 @@ def compile_job(
         "containers": [container],
         "volumes": volumes,
     }
+    if kc.spec.image_pull_secrets:  # the engine image from a private registry
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in kc.spec.image_pull_secrets]
     if config.fix_store_ownership:
         pod_spec["initContainers"] = [store_ownership_container(kc, config)]
     timeouts = sum(w.timeout_seconds for w in kc.spec.warmers_for(arch))

@@ -9,7 +9,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kernelcache.errors import KernelCacheError
+from kernelcache.documents import load_json
+from kernelcache.errors import KernelCacheError, ManifestError
 from kernelcache.store.fs import read_regular, replace_synced
 from kernelcache.store.layout import GENERATION_RE, HISTORY_NAME
 from kernelcache.store.manifest import Manifest, parse_created
@@ -31,7 +32,7 @@ def read_history(key_dir: Path) -> dict[str, datetime]:
     """
     path = key_dir / HISTORY_NAME
     try:
-        doc = json.loads(read_regular(path))
+        doc = load_json(read_regular(path), str(path), ManifestError)
         if doc.get("format") != HISTORY_FORMAT:
             raise ValueError(f"format is not {HISTORY_FORMAT!r}")
         return {

@@ -12,6 +12,7 @@ from typing import Any
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kernelcache.documents import load_json
 from kernelcache.errors import ManifestError, UnsafePathError
 from kernelcache.store.digests import FileEntry
 from kernelcache.store.fs import one_line, read_regular, storage_error
@@ -168,8 +169,12 @@ def parse_schema(data: bytes, source: str) -> Manifest:
     except UnicodeDecodeError as exc:
         raise ManifestError(f"{source}: not UTF-8 (byte {exc.start})", path=source) from exc
     try:
-        obj = json.loads(
-            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
+        obj = load_json(
+            text,
+            source,
+            ManifestError,
+            object_pairs_hook=_no_duplicate_keys,
+            parse_constant=_reject_constant,
         )
     except _DuplicateKeyError as exc:
         raise ManifestError(f"{source}: duplicate JSON key {exc}", path=source) from exc

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeAlias, cast
@@ -16,9 +18,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from kernelcache.errors import SignatureError
+from kernelcache.errors import SignatureError, SpecError
 from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE
-from kernelcache.store.fs import io_errors, one_line, write_file_synced
+from kernelcache.store.fs import fsync_dir, io_errors, one_line, write_file_synced
 from kernelcache.store.layout import MANIFEST_NAME
 
 PrivateKeyLike: TypeAlias = "Ed25519PrivateKey | str | os.PathLike[str]"
@@ -81,33 +83,57 @@ def private_key(signing_key: PrivateKeyLike | None) -> Ed25519PrivateKey | None:
 
 
 def generate_keypair(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """Write a new ed25519 key pair as PEM files; existing files are never overwritten.
+    """Write a new ed25519 key pair as PEM files: both, or neither.
+
+    A pair half-written over an old one would sign with a key its public half does not
+    verify, so an existing file of either name is refused before anything is written; the
+    two files are made in a hidden directory beside them, then linked into place (a link
+    never replaces a file), and a failed second link takes the first back.
 
     The file names are the signing Secret's keys, so ``kubectl create secret generic NAME
     --from-file=DIR/kernelcache.key --from-file=DIR/kernelcache.pub`` makes a working Secret.
     """
     directory = Path(directory)
-    with io_errors(directory):
-        directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise SpecError(f"{directory}: not a directory (keygen writes two files into one)")
+    paths = (directory / SIGNING_KEY_FILE, directory / PUBLIC_KEY_FILE)
+    for path in paths:
+        if path.exists() or path.is_symlink():
+            raise SpecError(
+                f"{path}: already exists; keygen writes a new pair or nothing (move the old "
+                "pair away first)",
+                path=str(path),
+            )
     private = Ed25519PrivateKey.generate()
-    priv_path = directory / SIGNING_KEY_FILE
-    pub_path = directory / PUBLIC_KEY_FILE
-    write_file_synced(
-        priv_path,
+    contents = (
         private.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         ),
-        mode=0o600,
-    )
-    write_file_synced(
-        pub_path,
         private.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ),
     )
-    return priv_path, pub_path
+    with io_errors(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".kernelcache-keygen-", dir=directory))
+    linked: list[Path] = []
+    try:
+        for path, data, mode in zip(paths, contents, (0o600, 0o644), strict=True):
+            write_file_synced(staging / path.name, data, mode=mode)
+        for path in paths:
+            with io_errors(path):
+                os.link(staging / path.name, path)
+            linked.append(path)
+        fsync_dir(directory)
+    except BaseException:
+        for path in linked:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return paths
 
 
 def signature_bytes(key: Ed25519PrivateKey, manifest_bytes: bytes) -> bytes:

@@ -227,12 +227,17 @@ class Store:
             os.close(fd)  # releases the lock
 
     def gc(
-        self, key: str, keep: int, timeout: float | None = None, dry_run: bool = False
+        self,
+        key: str,
+        keep: int,
+        timeout: float | None = None,
+        dry_run: bool = False,
+        on_wait: Callable[[str], None] | None = None,
     ) -> list[str]:
         """Remove all generations but the one CURRENT names and the `keep` most recently
         current besides it (``rollback_order``); ``dry_run`` removes nothing and returns what
-        would be removed."""
-        with self.writer(key, timeout=timeout):
+        would be removed. ``on_wait`` as for ``writer``."""
+        with self.writer(key, timeout=timeout, on_wait=on_wait):
             return self._gc_locked(key, keep, dry_run)
 
     def rollback_order(self, key: str) -> list[tuple[Path, Manifest | None]]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernelcache.errors import WarmError
+from kernelcache.errors import SpecError, WarmError
 
 if TYPE_CHECKING:
     from kernelcache.spec import GpuClass
@@ -51,6 +51,20 @@ def toolchains() -> tuple[Toolchain, ...]:
 def cache_env() -> dict[str, str]:
     """Cache variable -> subdirectory of files/ it is pointed at, for every toolchain."""
     return {var: sub for t in toolchains() for var, sub in t.cache_env.items()}
+
+
+def check_warmer_env(warmers: Sequence[WarmerSpec], source: str) -> None:
+    """Refuse a warmer ``env`` that sets a cache variable: the warm points each one into the
+    generation, so the value given would be dropped without a word."""
+    owned = cache_env()
+    for i, warmer in enumerate(warmers):
+        for var in warmer.env:
+            if var in owned:
+                raise SpecError(
+                    f"{source}: spec.warmers[{i}].env.{var}: kernelcache points it at the "
+                    f"generation's files/{owned[var]}; remove it from env",
+                    path=source,
+                )
 
 
 def serving_settings() -> dict[str, str]:

@@ -1,0 +1,587 @@
+"""The docs against the program: every error line they quote is what it prints for that
+case, and every command they show that can run here runs.
+
+Error lines: each code span in a table column headed ``typical line`` (in any doc) and each
+code span starting ``kernelcache: error:`` is one. ``REPRODUCTIONS`` maps each, verbatim, to
+the case that makes the program print it; a quoted line without a reproduction fails, and so
+does a reproduction whose line no doc quotes. ``…`` and ``<…>`` in a doc line stand for any
+text; the store's path reads as the docs write it, ``/var/lib/kernelcache``.
+
+Commands: each line of a fenced block that starts (after ``$ ``) with ``kernelcache``,
+``helm`` or ``kubectl`` is run here, in a copy of the examples with the example store built,
+or named in ``NOT_HERE`` with the reason it cannot (a cluster, a GPU, a registry).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kernelcache.errors import ColdCompileError, error_line
+from kernelcache.store import Store, manifest_checksum
+from tests.conftest import EXAMPLES, REPO, kernelcache_doc, run_kernelcache
+from tests.helpers import generations
+
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
+STORE_AS_DOCUMENTED = "/var/lib/kernelcache"
+KEY = "team-a/llama/sm_90a"
+H200 = ["--arch", "sm_90a", "--gpu-product", generations.PRODUCT]
+
+
+# --- what the docs quote -----------------------------------------------------------------------
+
+
+def _cells(row: str) -> list[str]:
+    """A markdown table row's cells (a ``\\|`` inside a cell is not a separator)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
+def quoted_error_lines() -> dict[str, str]:
+    """Every error line the docs quote -> the doc it is in."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        column = None
+        for line in doc.read_text().splitlines():
+            if not line.startswith("|"):
+                column = None
+            elif column is None:
+                headers = _cells(line)
+                column = headers.index("typical line") if "typical line" in headers else -1
+            elif column >= 0 and not set(line) <= set("|-: "):
+                for span in re.findall(r"`([^`]+)`", _cells(line)[column]):
+                    found[span] = doc.name
+            for span in re.findall(r"`(kernelcache: error: [^`]+)`", line):
+                found[span] = doc.name
+    return found
+
+
+def matches(doc_line: str, printed: str) -> bool:
+    parts = re.split(r"(…|<[^<>]+>)", doc_line)
+    pattern = "".join(".*?" if p == "…" or p.startswith("<") else re.escape(p) for p in parts)
+    return re.search(pattern, printed) is not None
+
+
+# --- the cases that print them ------------------------------------------------------------------
+
+
+def last_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    assert proc.returncode == code, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def published(tmp: Path, **kw) -> tuple[Path, Path]:
+    """A store holding KEY's generation (compiled and tuning files, stamped for an H200)."""
+    store = tmp / "store"
+    return store, generations.publish(store, KEY, **kw)
+
+
+def verify(store: Path, *args: str, key: str = KEY, code: int) -> str:
+    proc = run_kernelcache("verify", "--store", str(store), "--key", key, *args)
+    return last_line(proc, code).replace(str(store), STORE_AS_DOCUMENTED)
+
+
+def edit_manifest(gen: Path, change: Callable[[dict], None], *, reseal: bool = True) -> None:
+    path = gen / "MANIFEST.json"
+    body = json.loads(path.read_text())
+    change(body)
+    if reseal:
+        body.pop("checksum")
+        body["checksum"] = manifest_checksum(body)
+    path.write_text(json.dumps(body))
+
+
+def no_generation(tmp: Path) -> str:
+    store, _ = published(tmp)
+    return verify(store, "--arch", "sm_120a", key="team-a/llama/sm_120a", code=3)
+
+
+def stamp_mismatch(tmp: Path) -> str:
+    store, _ = published(tmp, stamp=generations.make_stamp(**{"dist/blake3": "0.0.1 record=ab"}))
+    return verify(store, *H200, "--check-env", code=4)
+
+
+def other_gpu_product(tmp: Path) -> str:
+    store, _ = published(tmp)
+    return verify(store, "--arch", "sm_90a", "--gpu-product", "NVIDIA H100 80GB HBM3", code=4)
+
+
+def digest_mismatch(tmp: Path) -> str:
+    store, gen = published(tmp)
+    target = gen / "files" / "cute-dsl" / "gemm_128x256.o"
+    target.write_bytes(b"\x00" + target.read_bytes()[1:])
+    return verify(store, *H200, code=5)
+
+
+def another_keys_generation(tmp: Path) -> str:
+    store, _ = published(tmp)
+    generations.publish(store, "team-a/llama/sm_120a")
+    other = Store(store).current("team-a/llama/sm_120a")
+    assert other is not None
+    shutil.rmtree(Store(store).key_dir(KEY))
+    shutil.copytree(other.parent, Store(store).key_dir(KEY), symlinks=True)
+    return verify(store, *H200, code=5)
+
+
+def no_arch_in_stamp(tmp: Path) -> str:
+    stamp = generations.make_stamp()
+    stamp = {**stamp, "factors": {k: v for k, v in stamp["factors"].items() if k != "arch"}}
+    store, _ = published(tmp, stamp=stamp)
+    return verify(store, *H200, code=4)
+
+
+def bad_signature(tmp: Path) -> str:
+    from kernelcache.store import generate_keypair
+
+    signer, _ = generate_keypair(tmp / "signer")
+    _, other = generate_keypair(tmp / "other")
+    store, _ = published(tmp, signing_key=signer)
+    return verify(store, *H200, "--public-key", str(other), code=6)
+
+
+def wrong_field_type(tmp: Path) -> str:
+    store, gen = published(tmp)
+    edit_manifest(gen, lambda body: body["files"][3].update(size="12"))
+    return verify(store, *H200, code=7)
+
+
+def checksum_mismatch(tmp: Path) -> str:
+    store, gen = published(tmp)
+    edit_manifest(gen, lambda body: body.update(created="2020-01-01T00:00:00Z"), reseal=False)
+    return verify(store, *H200, code=7)
+
+
+def dotdot_path(tmp: Path) -> str:
+    store, gen = published(tmp)
+    edit_manifest(gen, lambda body: body["files"][0].update(path="../x"))
+    return verify(store, *H200, code=8)
+
+
+def generation_symlink(tmp: Path) -> str:
+    store, gen = published(tmp)
+    moved = gen.parent / "elsewhere"
+    gen.rename(moved)
+    gen.symlink_to(moved)
+    return verify(store, *H200, code=8)
+
+
+def current_symlink(tmp: Path) -> str:
+    store, gen = published(tmp)
+    current = gen.parent / "CURRENT"
+    (gen.parent / "CURRENT.real").write_text(current.read_text())
+    current.unlink()
+    current.symlink_to("CURRENT.real")
+    return verify(store, *H200, code=8)
+
+
+def hard_link(tmp: Path) -> str:
+    store, gen = published(tmp)
+    os.link(gen / "files" / "cute-dsl" / "gemm_128x256.o", tmp / "x.o")
+    return verify(store, *H200, code=8)
+
+
+def no_arch_known(tmp: Path) -> str:
+    store, _ = published(tmp)
+    proc = run_kernelcache(
+        "verify", "--store", str(store), "--namespace", "team-a", "--name", "llama",
+        PATH="/nonexistent", KERNELCACHE_ARCH="", KERNELCACHE_NODE_NAME="",
+    )  # fmt: skip
+    return last_line(proc, 9)
+
+
+def no_store(tmp: Path) -> str:
+    proc = run_kernelcache("verify", "--store", STORE_AS_DOCUMENTED + "-nothing-here", "--key", KEY)
+    return last_line(proc, 10).replace(STORE_AS_DOCUMENTED + "-nothing-here", STORE_AS_DOCUMENTED)
+
+
+def store_is_a_file(tmp: Path) -> str:
+    (tmp / "store").write_text("")
+    return verify(tmp / "store", code=10)
+
+
+def mode_0000(tmp: Path) -> str:
+    store, gen = published(tmp)
+    (gen / "files" / "cute-dsl" / "gemm_128x256.o").chmod(0)
+    return verify(store, *H200, code=10)
+
+
+def current_not_a_generation_id(tmp: Path) -> str:
+    store, gen = published(tmp)
+    (gen.parent / "CURRENT").write_text("../../other\n")
+    return verify(store, *H200, code=5)
+
+
+def locked(tmp: Path) -> str:
+    store, _ = published(tmp)
+    with Store(store).writer(KEY):
+        proc = run_kernelcache("gc", "--store", str(store), "--timeout", "0.1")
+    return last_line(proc, 12)
+
+
+def spec_refused(tmp: Path, doc: dict) -> str:
+    spec = tmp / "kc.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp / "s"))
+    return last_line(proc, 2)
+
+
+def misspelled_field(tmp: Path) -> str:
+    doc = kernelcache_doc("kc")
+    doc["spec"]["modle"] = doc["spec"].pop("model")
+    return spec_refused(tmp, doc)
+
+
+def unknown_arch(tmp: Path) -> str:
+    return spec_refused(tmp, kernelcache_doc("kc", arches=("sm_91",)))
+
+
+def long_name(tmp: Path) -> str:
+    return spec_refused(tmp, kernelcache_doc("a" * 64))
+
+
+def cache_variable_in_env(tmp: Path) -> str:
+    warmer = {"type": "command", "command": ["true"], "env": {"TRITON_CACHE_DIR": "/x"}}
+    return spec_refused(tmp, kernelcache_doc("kc", warmers=[warmer]))
+
+
+def nested_spec(tmp: Path) -> str:
+    warmer = {"type": "command", "command": ["true"], "workload": {"x": "DEEP"}}
+    spec = tmp / "kc.yaml"
+    spec.write_text(yaml.safe_dump(kernelcache_doc("kc", warmers=[warmer])).replace(
+        "DEEP", "[" * 100 + "]" * 100
+    ))  # fmt: skip
+    proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp / "s"))
+    return last_line(proc, 2)
+
+
+def warm(tmp: Path, warmer: dict, code: int = 11) -> str:
+    spec = tmp / "kc.yaml"
+    spec.write_text(yaml.safe_dump(kernelcache_doc("kc", warmers=[warmer])))
+    (tmp / "my_kernels.py").write_text("def warm(workload):\n    raise ValueError('no')\n")
+    proc = run_kernelcache("warm", "-f", str(spec), "--store", str(tmp / "s"), "--arch", "sm_90a")
+    return last_line(proc, code)
+
+
+def entry_point_failed(tmp: Path) -> str:
+    return warm(tmp, {"type": "cute-dsl", "entryPoints": ["my_kernels:warm"]})
+
+
+def ran_past_timeout(tmp: Path) -> str:
+    sleep = [shutil.which("sleep") or "sleep", "600"]
+    return warm(tmp, {"type": "command", "command": sleep, "timeoutSeconds": 1})
+
+
+def build_failed(tmp: Path) -> str:
+    spec = tmp / "kc.yaml"
+    warmer = {"type": "command", "command": ["false"]}
+    spec.write_text(yaml.safe_dump(kernelcache_doc("kc", warmers=[warmer])))
+    proc = run_kernelcache("build", "-f", str(spec), "--store", str(tmp / "s"))
+    return last_line(proc, 11)
+
+
+def cold_compile(tmp: Path) -> str:
+    from kernelcache.runtime.cute import CuteDiskCache
+
+    cache = CuteDiskCache(tmp / "cute-dsl", strict=True)
+    with pytest.raises(ColdCompileError) as refused:
+        cache._compile_now(None, (), {}, None, factors={"function": "my_kernels:gemm"})
+    return str(refused.value)
+
+
+def cannot_write_the_store(tmp: Path) -> str:
+    """The compile Job's user (uid 1000) on a store root owned by root, mode 0755: a forked
+    child of this process drops to that user and opens a writer, as ``warm`` does."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to become another user")
+    root = Path(tempfile.mkdtemp(prefix="kernelcache-docs-"))  # not below a root-only dir
+    try:
+        root.chmod(0o755)
+        store = root / "store"
+        store.mkdir(mode=0o755)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report the line, never return into pytest
+            try:
+                os.setgid(1000)
+                os.setuid(1000)
+                with Store(store).writer(KEY):
+                    pass
+            except BaseException as exc:
+                os.write(write, error_line(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            line = pipe.read()
+        os.waitpid(pid, 0)
+        return line.replace(str(store), STORE_AS_DOCUMENTED)
+    finally:
+        shutil.rmtree(root)
+
+
+REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
+    "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
+    "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
+    "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
+    "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,
+    "…/MANIFEST.json: published for key team-a/llama/sm_120a, not for team-a/llama/sm_90a": another_keys_generation,  # noqa: E501
+    "team-a/llama/sm_90a: generation … has no arch in its stamp (written by an older kernelcache): rebuild it (kernelcache build --force)": no_arch_in_stamp,  # noqa: E501
+    "…/CURRENT: not a generation id: '../../other'": current_not_a_generation_id,
+    "…/MANIFEST.json.sig: does not match MANIFEST.json": bad_signature,
+    "…/MANIFEST.json: field files.3.size: …": wrong_field_type,
+    "…/MANIFEST.json: checksum mismatch: the manifest changed after it was written": checksum_mismatch,  # noqa: E501
+    "…/MANIFEST.json: files: '..' segment: '../x'": dotdot_path,
+    "…/sm_90a/<generation>: is a symlink (to '…'); a generation must be a directory of its key": generation_symlink,  # noqa: E501
+    "…/CURRENT: is a symlink": current_symlink,
+    "…/files/….o: has 2 hard links: it can change through a name outside the generation": hard_link,
+    "cannot determine this node's GPU arch: no --arch or KERNELCACHE_ARCH; no node name (…); nvidia-smi is not on PATH": no_arch_known,  # noqa: E501
+    "/var/lib/kernelcache: store does not exist": no_store,
+    "…: store not readable: Not a directory": store_is_a_file,
+    "…/files/….o: mode 0000: no user but root can read this file": mode_0000,
+    "/var/lib/kernelcache/<namespace>: EACCES (Permission denied): /var/lib/kernelcache is owned by uid 0 gid 0 mode 0755, and this process is uid 1000 gid 1000; …": cannot_write_the_store,  # noqa: E501
+    "team-a/llama/sm_90a: another writer holds …/.lock (pid … on …); gave up after <seconds>s": locked,  # noqa: E501
+    "spec.modle: unknown field (did you mean model?)": misspelled_field,
+    "'sm_91' is not an arch any toolchain knows (known: …)": unknown_arch,
+    "metadata.name: String should have at most 63 characters, …": long_name,
+    "spec.warmers[0].env.TRITON_CACHE_DIR: kernelcache points it at the generation's files/triton; remove it from env": cache_variable_in_env,  # noqa: E501
+    "…: nested deeper than 64 levels": nested_spec,
+    "cute-dsl entry point my_kernels:warm failed for sm_90a: …": entry_point_failed,
+    "spec.warmers[0] (command <program>) ran past timeoutSeconds=<seconds> for sm_90a": ran_past_timeout,  # noqa: E501
+    "kernelcache: error: sm_90a: <reason>": build_failed,
+    "kernelcache: error: <what>": no_store,
+    "cute-dsl: cold compile of my_kernels:gemm in strict mode (not in the cache at …)": cold_compile,  # noqa: E501
+}  # fmt: skip
+
+
+def test_every_quoted_error_line_has_a_reproduction():
+    quoted = quoted_error_lines()
+    assert set(quoted) - set(REPRODUCTIONS) == set(), "quoted in the docs, never reproduced"
+    assert set(REPRODUCTIONS) - set(quoted) == set(), "reproduced, but no doc quotes it"
+
+
+@pytest.mark.parametrize("doc_line", sorted(REPRODUCTIONS))
+def test_a_quoted_error_line_is_what_the_program_prints(tmp_path, doc_line):
+    printed = REPRODUCTIONS[doc_line](tmp_path)
+    assert matches(doc_line, printed), (
+        f"the docs say\n  {doc_line}\nthe program prints\n  {printed}"
+    )
+
+
+# --- the commands the docs show -----------------------------------------------------------------
+
+PROGRAMS = ("kernelcache", "helm", "kubectl")
+HELM = REPO / ".tools" / "bin" / "helm"
+
+# Commands that need what is not here, by their first words: a cluster, a release, a pod.
+NOT_HERE = {
+    "kubectl": "needs a cluster (the cluster tests apply the same objects to the harness)",
+    "helm rollback": "needs an installed release",
+    "helm history": "needs an installed release",
+}
+# helm commands that change a cluster are run as ``helm template`` with the same chart and
+# values (what they would apply); these flags only mean something to an installed release.
+RELEASE_FLAGS = {"--create-namespace", "--reuse-values", "--install", "--wait", "--atomic"}
+# Commands the docs show failing on purpose: their exit code, as the docs say.
+EXPECTED_EXIT = {
+    "TRITON_CACHE_DIR=spec.yaml/triton kernelcache doctor store/default/demo/sm_90a/8f05e5cc484aa24068b8334602c145fb --arch sm_120a": 4,  # noqa: E501
+    "kernelcache explain env /var/lib/kernelcache/team-a/llama/sm_90a/<generation>": 4,
+    "kernelcache explain <generation-a> <generation-b>": 4,
+    "kernelcache explain team-a/llama/sm_90a env --store /var/lib/kernelcache": 4,
+    "kernelcache explain 3f2a9c1e 7b0d44aa --store /var/lib/kernelcache": 4,
+}  # fmt: skip
+
+
+def fenced_blocks(doc: Path) -> list[tuple[str, list[str]]]:
+    """(info string, lines) of each fenced block."""
+    blocks, info, lines = [], None, []
+    indent = 0
+    for line in doc.read_text().splitlines():
+        if line.strip().startswith("```"):  # a block in a list item is indented
+            if info is None:
+                info, lines = line.strip()[3:].strip(), []
+                indent = len(line) - len(line.lstrip())
+            else:
+                blocks.append((info, lines))
+                info = None
+        elif info is not None:
+            lines.append(line[indent:])
+    return blocks
+
+
+def shown_commands() -> dict[str, str]:
+    """Every command of a fenced block -> its doc. A block with ``$ `` prompts shows commands
+    only on those lines; a ``text`` block is output; a line ending in ``\\`` goes on."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        for info, lines in fenced_blocks(doc):
+            if info.split(" ")[0] == "text" or info.startswith("yaml"):
+                continue
+            prompted = any(line.startswith("$ ") for line in lines)
+            joined: list[str] = []
+            for line in lines:
+                if joined and joined[-1].endswith("\\"):
+                    joined[-1] = joined[-1][:-1] + line.strip()
+                else:
+                    joined.append(line)
+            for line in joined:
+                if prompted and not line.startswith("$ "):
+                    continue
+                words = line.removeprefix("$ ").split()
+                while words and "=" in words[0] and not words[0].startswith("-"):
+                    words = words[1:]  # VAR=value before the program
+                if words and words[0] in PROGRAMS:
+                    found[" ".join(shlex.split(line.removeprefix("$ "), comments=True))] = doc.name
+    return found
+
+
+def files_shown() -> dict[str, str]:
+    """The files the docs show whole (a block opened with ``yaml title=NAME``)."""
+    return {
+        info.split("title=", 1)[1].strip('"'): "\n".join(lines) + "\n"
+        for doc in DOCS
+        for info, lines in fenced_blocks(doc)
+        if "title=" in info
+    }
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> dict[str, str]:
+    """Where the docs' commands run: the examples, the chart, the files the docs show, and a
+    store with the example's sm_90a generation and two generations of team-a/llama/sm_90a.
+    Returns the words that stand for what only exists once built (generation ids)."""
+    root = tmp_path_factory.mktemp("docs")
+    shutil.copytree(EXAMPLES, root / "examples")
+    (root / "charts").symlink_to(REPO / "charts")
+    for name, text in files_shown().items():
+        (root / name).write_text(text)
+    # cli.md's doctor example points a cache variable below this file
+    shutil.copy(EXAMPLES / "kernelcache.yaml", root / "spec.yaml")
+    proc = run_kernelcache("build", "-f", "examples/kernelcache.yaml", "--store", "store",
+                           "--arch", "sm_90a", cwd=root)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    store = root / "store"
+    first = generations.publish(store, KEY)
+    second = generations.publish(store, KEY, stamp=generations.make_stamp(model="other/model"))
+    demo = Store(store).current("default/demo/sm_90a")
+    assert demo is not None
+    return {
+        "root": str(root),
+        STORE_AS_DOCUMENTED: str(store),
+        "8f05e5cc484aa24068b8334602c145fb": demo.name,
+        "<generation-a>": str(first),
+        "<generation-b>": str(second),
+        "<generation>": second.name,
+        "3f2a9c1e": first.name[:8],
+        "7b0d44aa": second.name[:8],
+    }
+
+
+def test_every_command_shown_runs_here_or_says_why_not():
+    for command in shown_commands():
+        program = next(w for w in command.split(" ") if "=" not in w)
+        skipped = any(command.startswith(start) for start in NOT_HERE)
+        assert skipped or program in ("kernelcache", "helm"), command
+    assert set(EXPECTED_EXIT) <= set(shown_commands()), "an expected exit of no doc command"
+
+
+@pytest.mark.parametrize("command", sorted(shown_commands()))
+def test_a_command_the_docs_show_runs(sandbox, command):
+    if reason := next((why for start, why in NOT_HERE.items() if command.startswith(start)), None):
+        pytest.skip(f"{command}: {reason}")
+    text = command
+    for word, value in sandbox.items():
+        text = text.replace(word, value)
+    words = shlex.split(text)
+    words = words[: next((i for i, w in enumerate(words) if w in (">", "|")), len(words))]
+    env = {}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words[0] == "kernelcache":
+        proc = run_kernelcache(*words[1:], cwd=Path(sandbox["root"]), **env)
+    else:
+        if words[1] in ("install", "upgrade"):
+            words = [words[0], "template", *[w for w in words[2:] if w not in RELEASE_FLAGS]]
+        proc = subprocess.run([str(HELM), *words[1:]], cwd=sandbox["root"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+    expected = EXPECTED_EXIT.get(command, 0)
+    assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+# --- the images ---------------------------------------------------------------------------------
+
+DOCKERFILES = sorted(REPO.glob("*/Dockerfile"))
+
+
+def dockerignored(path: str, rules: list[str]) -> bool:
+    """Whether the builder leaves ``path`` (relative to the context) out: the last rule that
+    matches it or a directory above it decides, ``!`` keeping it (Docker's semantics)."""
+    from fnmatch import fnmatchcase
+
+    parts = path.split("/")
+    ignored = False
+    for rule in rules:
+        keep = rule.startswith("!")
+        pattern = rule.removeprefix("!").strip("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        wildcard = pattern.removeprefix("**/")
+        if any(fnmatchcase(p, pattern) for p in prefixes) or (
+            pattern.startswith("**/") and any(fnmatchcase(part, wildcard) for part in parts)
+        ):
+            ignored = not keep
+    return ignored
+
+
+def test_the_build_context_holds_what_the_dockerfiles_copy_and_no_more():
+    rules = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    copied = {
+        source
+        for dockerfile in DOCKERFILES
+        for line in dockerfile.read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+        for source in line.split()[1:-1]
+    }
+    assert copied, DOCKERFILES
+    for source in copied:
+        assert not dockerignored(source, rules), source
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", *sorted(copied)], cwd=REPO, capture_output=True, text=True,
+        check=True,
+    ).stdout.split()  # fmt: skip
+    assert tracked
+    for rel in tracked:  # everything a COPY takes that the repository holds reaches the build
+        assert not dockerignored(rel, rules), rel
+    outside = (".venv/bin/python", ".tools/bin/helm", ".git/HEAD", "tests/test_docs.py",
+               "demo-store/x", "src/kernelcache/__pycache__/cli.cpython-311.pyc")  # fmt: skip
+    for left_out in outside:
+        assert dockerignored(left_out, rules), left_out
+
+
+def test_the_serving_image_defaults_to_the_vllm_the_benchmarks_measured():
+    measured = re.search(r"vLLM (\d+\.\d+\.\d+)", (REPO / "docs" / "BENCHMARKS.md").read_text())
+    assert measured is not None
+    default = re.search(
+        r"^ARG VLLM_IMAGE=\S+:v(\S+)$", (REPO / "serving" / "Dockerfile").read_text(), re.M
+    )
+    assert default is not None and default[1] == measured[1]
+
+
+def test_the_package_license_is_an_spdx_expression_with_its_file():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert all((REPO / f).is_file() for f in project["license-files"])
