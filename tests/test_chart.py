@@ -63,7 +63,8 @@ USED: list[tuple[str, str, set[str], str]] = [
     # job_changed); list/get/delete/create: handle_delete_kernelcache (stop compiles, cleanup
     # Job); create/delete: handle_reconcile_kernelcache (new and stale compile Jobs).
     ("batch", "jobs", {"get", "list", "watch", "create", "delete"}, "all"),
-    # list: the compile pods' results (reconcile) and running compiles (delete).
+    # list: the compile pods' results and why one cannot start (reconcile), running compiles
+    # (delete).
     ("", "pods", {"list"}, "all"),
     # create: reconcile makes the cache claim; delete: the finalizer drops an owned claim.
     ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
@@ -73,8 +74,10 @@ USED: list[tuple[str, str, set[str], str]] = [
     ("", "configmaps", {"get", "create", "patch", "delete"}, "all"),
     # list/watch: the gpu_nodes index and node_changed handler (main).
     ("", "nodes", {"list", "watch"}, "all"),
-    # create: kopf.event in main._post and main.delete (and kopf's own handler events).
-    ("", "events", {"create"}, "all"),
+    # create: kopf.event in main._post and main.delete (and kopf's own handler events);
+    # list: a compile pod's Warning events, when its status does not say why it cannot start
+    # (handle_reconcile_kernelcache._stuck).
+    ("", "events", {"create", "list"}, "all"),
     # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).
     ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}, "all"),
     # list/watch: kopf's namespace observation when given namespaces (falls back if denied).

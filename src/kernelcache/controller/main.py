@@ -189,7 +189,7 @@ def inject(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A labelled serving pod: add the verify init-container, the cache volumes and env."""
-    pod, operation = dict(body), _operation(kwargs)
+    pod, operation, said = dict(body), _operation(kwargs), len(warnings)
     try:
         kc = webhook.lookup(pod, memo.kube.get, operation)
         ops = webhook.mutate_pod(pod, kc, CONFIG, operation=operation, warnings=warnings)
@@ -197,6 +197,9 @@ def inject(
         raise kopf.AdmissionError(str(exc), code=403) from None
     if ops:
         patch["spec"] = webhook.spec_patch(pod, ops)
+    if ops and isinstance(kc, webhook.Kept):  # the pod may have no name yet: on the record
+        record = kopf.Body(cast(kopf.RawBody, kc.record))
+        kopf.event(record, type="Warning", reason="DeletedKernelCache", message=warnings[said])
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])

@@ -50,6 +50,7 @@ COMPILE = "compile"
 CLEANUP = "cleanup"
 RECORD = "record"
 RECORD_FILE = "published.json"
+KEPT_FILE = "kept.yaml"  # the spec of a KernelCache deleted with its data kept
 
 SPEC_DIR = "/etc/kernelcache/spec"
 SPEC_FILE = "kernelcache.yaml"
@@ -165,8 +166,18 @@ def spec_configmap(kc: KernelCache, owner: dict[str, Any], digest: str) -> dict[
     }
 
 
-def record_name(kc: KernelCache) -> str:
-    return f"kc-{kc.metadata.name}"[: 253 - 10].rstrip("-.") + "-published"
+def record_name(kc: KernelCache | str) -> str:
+    """The published record's name, from the KernelCache or its name alone (the webhook
+    looks for it when the KernelCache is gone)."""
+    name = kc if isinstance(kc, str) else kc.metadata.name
+    return f"kc-{name}"[: 253 - 10].rstrip("-.") + "-published"
+
+
+def kept_data(kc: KernelCache) -> dict[str, str]:
+    """What the finalizer adds to the record when the data stays: the spec, so that pods
+    labelled for the deleted KernelCache are still given the init-container that verifies
+    its kept generations (``webhook.lookup``)."""
+    return {KEPT_FILE: yaml.safe_dump(spec_document(kc), sort_keys=False)}
 
 
 def published_record(kc: KernelCache, uid: str, arches: dict[str, Any]) -> dict[str, Any]:
