@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 from tests.cluster.images import Image, build_image  # noqa: E402
-from tests.conftest import REPO, wait_until  # noqa: E402
+from tests.conftest import REPO, scaled, wait_until  # noqa: E402
 
 NAMESPACE = "kernelcache-system"
 RELEASE = "kc"
@@ -122,7 +122,7 @@ def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.
         capture_output=True,
         text=True,
         check=True,
-        timeout=60,
+        timeout=scaled(60),
     ).stdout
     ok(kc.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered))
 

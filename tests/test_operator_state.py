@@ -490,7 +490,7 @@ NOT_FOUND = 'MountVolume.SetUp failed for volume "signing" : secret "kc-signing-
                     "reason": "CreateContainerConfigError",
                     "message": 'secret "kc-signing-typo" not found',
                 }
-            ),  # fmt: skip
+            ),
             [],
             'container warm: CreateContainerConfigError: secret "kc-signing-typo" not found',
         ),
@@ -559,3 +559,9 @@ def test_a_failure_seen_only_when_its_retry_is_due_is_still_told() -> None:
     (event,) = state.transitions(compiling, status, [due])
     assert event.type == "Warning" and event.reason == "CompileFailed"
     assert "BackoffLimitExceeded" in event.message
+    # Seen during its backoff, the failure was told then (phase Failed): not told twice.
+    waited = plan([job(failed=True, finished_ago=10)])
+    failed = state.summarize([waited], 1, compiling, NOW)
+    assert [e.reason for e in state.transitions(compiling, failed, [waited])] == ["CompileFailed"]
+    retry = plan([job(failed=True, finished_ago=61)], failed["arches"][0])
+    assert state.transitions(failed, state.summarize([retry], 1, failed, NOW), [retry]) == []

@@ -52,6 +52,7 @@ from typing import Any
 
 from kernelcache.controller.kube import ApiError, Kube, path
 from tests.cluster.images import Image
+from tests.conftest import scaled
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -621,11 +622,11 @@ class PodRunner(threading.Thread):
             if process is not None and process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGTERM)
-                    process.wait(timeout=10)
+                    process.wait(timeout=scaled(10))
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(timeout=10)
+                    process.wait(timeout=scaled(10))
 
     def pids(self) -> dict[str, int]:
         """The running containers' command processes (the last of the setup chain)."""
@@ -753,7 +754,7 @@ class Kubelet:
         for runner in self.pods.values():
             runner.stop()
         for runner in self.pods.values():
-            runner.join(timeout=15)
+            runner.join(timeout=scaled(15))
 
 
 __all__ = ["Kubelet", "NotReady", "atomic_writer", "json"]

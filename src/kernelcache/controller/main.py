@@ -60,6 +60,7 @@ def _configure(settings: kopf.OperatorSettings) -> None:
             settings.peering.priority = CONFIG.priority
         elif settings.peering.priority == defaults.peering.priority:  # no --priority given
             settings.peering.priority = secrets.randbelow(2**31 - 1) + 1
+        settings.peering.lifetime = CONFIG.peering_lifetime_seconds
         settings.peering.mandatory = True
         settings.peering.standalone = False
     else:

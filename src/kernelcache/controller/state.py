@@ -373,9 +373,10 @@ def plan_arch(
         return ArchPlan(status("Failed", gave_up), job=job)
     failed_at = job_finished_at(job) or parse_time(job["metadata"].get("creationTimestamp"))
     due = (failed_at or now) + timedelta(seconds=policy.delay(attempt))
-    if now >= due:  # the failure was seen late: it is still told, as the retry starts
+    if now >= due:  # seen only now (the backoff passed unseen): told as the retry starts
+        told = previous is not None and previous.get("phase") == "Failed"
         retrying = status("Pending", f"retrying after {detail}")
-        return ArchPlan(retrying, attempt + 1, True, job, COMPILE_FAILED)
+        return ArchPlan(retrying, attempt + 1, True, job, None if told else COMPILE_FAILED)
     retry = f"{detail}; retry {attempt + 2} of {policy.max_attempts} at {format_time(due)}"
     return ArchPlan(status("Failed", retry), None, True, job)
 
