@@ -1,7 +1,7 @@
 """The controllers a cluster runs beside the API server, one pass at a time.
 
 - Deployment: one ReplicaSet per pod template (named after a hash of it, owned by the
-  Deployment); an older template's ReplicaSet is deleted (no rolling update).
+  Deployment, scaled with it); an older template's ReplicaSet is deleted (no rolling update).
 - ReplicaSet: ``replicas`` live pods of its template, owned by it.
 - Job: a pod of its template at a time while it has not succeeded and has failed at most
   ``backoffLimit`` times; then ``Complete`` or ``Failed`` (``BackoffLimitExceeded``) in its
@@ -139,7 +139,12 @@ class Controllers:
                     "template": template,
                 },
             }
-            self.kube.create(path("apps/v1", "replicasets", meta["namespace"]), replica_set)
+            if not self.kube.create(path("apps/v1", "replicasets", meta["namespace"]), replica_set):
+                current = next((r for r in sets if r["metadata"]["name"] == name), None)
+                wanted = replica_set["spec"]["replicas"]
+                if current is not None and current["spec"].get("replicas") != wanted:  # scaled
+                    rs_path = path("apps/v1", "replicasets", meta["namespace"], name)
+                    self.kube.patch(rs_path, {"spec": {"replicas": wanted}})
 
     def _replicasets(self, pods: list[dict[str, Any]]) -> None:
         for replica_set in self._list("apps/v1", "replicasets"):

@@ -198,9 +198,12 @@ def inject(
         raise kopf.AdmissionError(str(exc), code=403) from None
     if ops:
         patch["spec"] = webhook.spec_patch(pod, ops)
-    if ops and isinstance(kc, webhook.Kept):  # the pod may have no name yet: on the record
-        record = kopf.Body(cast(kopf.RawBody, kc.record))
-        kopf.event(record, type="Warning", reason="DeletedKernelCache", message=warnings[said])
+    # A deleted (or deleting) KernelCache's pod: its admission warning, also as a Warning event
+    # on the record (or the KernelCache), since the pod may have no name yet.
+    about = webhook.life_cycle_object(kc)
+    if ops and about is not None and len(warnings) > said:
+        target = kopf.Body(cast(kopf.RawBody, about))
+        kopf.event(target, type="Warning", reason="DeletedKernelCache", message=warnings[said])
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])

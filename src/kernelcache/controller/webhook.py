@@ -369,7 +369,7 @@ def mutate_pod(
     except SpecError as exc:
         raise Denied(exc.message) from None
     if (notice := _life_cycle(kernelcache, kc, where)) and warnings is not None:
-        warnings.append(notice)  # first: main posts it as the Warning event of a Kept one
+        warnings.append(notice)  # the first one: main also posts it as a Warning event
 
     spec = pod.get("spec") or {}
     serving = _serving(pod, where)
@@ -400,6 +400,16 @@ def mutate_pod(
         )
         _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount, *vllm_mounts(kc)])
     return ops
+
+
+def life_cycle_object(kernelcache: dict[str, Any] | Kept | None) -> dict[str, Any] | None:
+    """What a pod's deleted or deleting KernelCache's Warning event is posted on: the record
+    of a deleted one, the KernelCache being deleted; None for a live one."""
+    if isinstance(kernelcache, Kept):
+        return kernelcache.record
+    if kernelcache and (kernelcache.get("metadata") or {}).get("deletionTimestamp"):
+        return kernelcache
+    return None
 
 
 def _life_cycle(kernelcache: dict[str, Any] | Kept, kc: KernelCache, where: str) -> str | None:
