@@ -391,6 +391,13 @@ def init_said(pod: dict[str, Any]) -> str:
     return str((ended or {}).get("message") or "")
 
 
+def diagnosis(kc: harness.Cluster) -> str:
+    """What the cluster refused and what the operator said last: for a failed wait."""
+    pod = operator_pod(kc)
+    logs = kc.logs(pod, "operator")[-4000:] if pod else "(no operator pod)"
+    return f"refused: {kc.api.denied[-3:]}\nerrors: {kc.errors[-1:]}\noperator:\n{logs}"
+
+
 def events_about(kc: harness.Cluster, name: str, reason: str) -> list[dict[str, Any]]:
     events = kc.kube.list("/api/v1/namespaces/default/events")
     return [e for e in events if e["involvedObject"].get("name") == name and e["reason"] == reason]
@@ -492,7 +499,10 @@ def test_a_deleted_kernelcache_still_serves_its_scaled_deployment_until_its_data
             "patch", "deployment", "kept-serve", "-n", "default", "--type=merge", "-p", patch
         )
     )
-    pods = wait_until(lambda: running(2), timeout=120, interval=0.5, what="the second replica")
+    try:
+        pods = wait_until(lambda: running(2), timeout=120, interval=0.5, what="the second replica")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnosis(kc)}") from None
     (second,) = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]]
     init_log = kc.logs(second, "kernelcache")
     assert "default/kept/sm_90a: generation" in init_log and "verified" in init_log, init_log

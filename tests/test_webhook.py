@@ -556,11 +556,16 @@ def test_validation_lets_an_object_being_deleted_through() -> None:
 
 
 class FakeKube:
-    """Answers GETs of KernelCaches from a dict; anything else is a 404."""
+    """Answers GETs from a dict (anything else is a 404); keeps what is created."""
 
     def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
         self.objects = objects
         self.gets: list[str] = []
+        self.created: list[tuple[str, dict[str, Any]]] = []
+
+    def create(self, collection: str, body: dict[str, Any]) -> bool:
+        self.created.append((collection, body))
+        return True
 
     def get(self, path: str) -> dict[str, Any]:
         self.gets.append(path)
@@ -655,6 +660,27 @@ def test_kopf_mutating_webhook_denies_a_missing_kernelcache() -> None:
     assert answer["status"]["code"] == 403
     assert "KernelCache team-a/demo" in answer["status"]["message"]
     assert "does not exist" in answer["status"]["message"]
+
+
+def test_kopf_mutating_webhook_injects_a_deleted_kernelcaches_pod_with_a_warning_event() -> None:
+    """Through kopf's admission entry point, which runs no event queue: the event is posted
+    by the operator's own client (kopf.event raised here, and the pod was refused)."""
+    kube = FakeKube({RECORD_PATH: record(kernelcache())})
+    answer = admit(pod_review(), kube, "mutating")["response"]
+    assert answer["allowed"] is True and "patch" in answer, answer
+    (warning,) = answer["warnings"]
+    assert "KernelCache team-a/demo was deleted" in warning
+    ((collection, event),) = kube.created
+    assert collection == "/api/v1/namespaces/team-a/events"
+    assert event["type"] == "Warning" and event["reason"] == "DeletedKernelCache"
+    assert event["message"] == warning
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "kc-demo-published",
+        "namespace": "team-a",
+        "uid": "r1",
+    }
 
 
 def test_kopf_mutating_webhook_image_policies() -> None:

@@ -96,7 +96,7 @@ class Cluster:
     kubeconfig: Path
     kubelet: Kubelet
     tmp: Path
-    errors: list[str] = field(default_factory=list)  # what a controller pass raised
+    errors: list[str] = field(default_factory=list)  # what a controller pass or pod raised
 
     def kubectl(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         """The real kubectl as the cluster admin."""
@@ -198,7 +198,7 @@ def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) ->
             kube.create("/api/v1/nodes", node)
         kubelet = Kubelet(kube, tmp / "kubelet", images, api, tls_port, ca)
         controllers = Controllers(kube, nodes)
-        the = Cluster(api, kube, config, kubelet, tmp)
+        the = Cluster(api, kube, config, kubelet, tmp, kubelet.errors)
         stop = threading.Event()
 
         def loop() -> None:

@@ -45,6 +45,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -178,6 +179,8 @@ class PodRunner(threading.Thread):
                 if not self._run_to_success(container, mounts):
                     return
             self._run_containers(mounts)
+        except Exception:  # kept for the test to see (Cluster.errors), as a controller's
+            self.kubelet.errors.append(f"pod {self.pod_name}: {traceback.format_exc()}")
         finally:
             self._kill_all()
 
@@ -654,6 +657,7 @@ class Kubelet:
         self.pods: dict[str, PodRunner] = {}
         self._user_dbs: dict[tuple[str, str], Path] = {}
         self._events: set[tuple[str, str, str]] = set()
+        self.errors: list[str] = []  # what a pod's thread raised
 
     def read(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

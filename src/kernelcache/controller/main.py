@@ -25,7 +25,7 @@ from kernelcache.contract import (
     LABEL_MANAGED_BY,
     MANAGED_BY,
 )
-from kernelcache.controller import metrics, webhook
+from kernelcache.controller import manifests, metrics, webhook
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
@@ -35,7 +35,7 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
 from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
-from kernelcache.controller.kube import Kube
+from kernelcache.controller.kube import Kube, path
 from kernelcache.controller.manifests import COMPILE
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
@@ -199,11 +199,12 @@ def inject(
     if ops:
         patch["spec"] = webhook.spec_patch(pod, ops)
     # A deleted (or deleting) KernelCache's pod: its admission warning, also as a Warning event
-    # on the record (or the KernelCache), since the pod may have no name yet.
+    # on the record (or the KernelCache), since the pod may have no name yet. Posted here, not
+    # with kopf.event, which only works in kopf's resource handlers.
     about = webhook.life_cycle_object(kc)
     if ops and about is not None and len(warnings) > said:
-        target = kopf.Body(cast(kopf.RawBody, about))
-        kopf.event(target, type="Warning", reason="DeletedKernelCache", message=warnings[said])
+        event = manifests.warning_event(about, "DeletedKernelCache", warnings[said])
+        memo.kube.create(path("v1", "events", about["metadata"]["namespace"]), event)
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])
