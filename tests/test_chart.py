@@ -70,11 +70,13 @@ USED: list[tuple[str, str, set[str], str]] = [
     ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
     # create: reconcile writes the spec ConfigMap the compile Jobs read; create/patch:
     # handle_update_nodes writes the node map serving pods read; get/create/patch: the
-    # published record (reconcile), delete: the finalizer drops it with the data.
+    # published record (reconcile), delete: the finalizer drops it with the data, patch: or
+    # keeps the spec in it; get: webhook.lookup reads that kept spec for a deleted one.
     ("", "configmaps", {"get", "create", "patch", "delete"}, "all"),
     # list/watch: the gpu_nodes index and node_changed handler (main).
     ("", "nodes", {"list", "watch"}, "all"),
-    # create: kopf.event in main._post and main.delete (and kopf's own handler events);
+    # create: kopf.event in main._post and main.delete (and kopf's own handler events), and
+    # main.inject's Warning about a pod of a deleted KernelCache;
     # list: a compile pod's Warning events, when its status does not say why it cannot start
     # (handle_reconcile_kernelcache._stuck).
     ("", "events", {"create", "list"}, "all"),

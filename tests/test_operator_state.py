@@ -521,6 +521,13 @@ def test_a_pod_that_cannot_start_says_why(
     assert stuck.endswith(said), stuck
 
 
+def test_only_a_job_with_an_active_pod_none_ready_may_be_stuck() -> None:
+    assert state.may_be_stuck(job(active=1))
+    assert not state.may_be_stuck(job())  # no pod yet
+    assert not state.may_be_stuck({**job(active=1), "status": {"active": 1, "ready": 1}})
+    assert not state.may_be_stuck(job(failed=True, active=1))
+
+
 def test_a_pod_on_its_way_is_not_stuck() -> None:
     assert state.pod_stuck([]) is None
     assert state.pod_stuck([pending_pod()]) is None  # being created, nothing said against it

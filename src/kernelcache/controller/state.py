@@ -155,6 +155,13 @@ def job_seconds(job: dict[str, Any]) -> float | None:
     return max(0.0, (finished - started).total_seconds())
 
 
+def may_be_stuck(job: dict[str, Any]) -> bool:
+    """Whether a Job has a pod that may not have started: active, none of them ready (a Job
+    controller that reports ``ready`` saves reading the pods of every running compile)."""
+    status = job.get("status") or {}
+    return job_state(job) == "Compiling" and not status.get("ready")
+
+
 # A container waiting for these is on its way; any other reason is the kubelet refusing it.
 _STARTING = frozenset({"ContainerCreating", "PodInitializing"})
 

@@ -136,7 +136,7 @@ def _reconcile_once(
         if job is not None and state.needs_result(job, before.get(arch), previous_current):
             pods = kube.list(path("v1", "pods", namespace), manifests.pod_selector(job))
             result = state.termination_result(pods)
-        elif job is not None and state.job_state(job) in ("Pending", "Compiling"):
+        elif job is not None and state.may_be_stuck(job):
             stuck = _stuck(kube, namespace, job)
         plan = state.plan_arch(
             arch, arch_jobs, before.get(arch), previous_current, result, policy, now, stuck
