@@ -102,7 +102,7 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 def env_of(docs: list[dict[str, Any]]) -> dict[str, str]:
     container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    return {e["name"]: e["value"] for e in container["env"]}
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
 # --- lint and rendering ---------------------------------------------------------------------
@@ -154,6 +154,7 @@ def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() 
     assert config.webhook_port == 9443 and config.metrics_port == 9090
     assert config.webhook_tls_dir == "/etc/kernelcache/webhook-tls"
     assert config.peering == "kernelcache" and config.namespaces == ()
+    assert config.peering_lifetime_seconds == 10
     deployment = one(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
@@ -168,6 +169,9 @@ def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() 
     assert container["resources"]["requests"] and container["resources"]["limits"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["webhook-tls"] == config.webhook_tls_dir
+    # The peering identity is the pod's: a restarted container takes its own place back.
+    (pod_id,) = [e for e in container["env"] if e["name"] == "POD_ID"]
+    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
 
 def test_fix_store_ownership_reaches_the_operator_config() -> None:
