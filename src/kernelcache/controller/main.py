@@ -35,7 +35,7 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
 from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
-from kernelcache.controller.kube import Kube, path
+from kernelcache.controller.kube import ApiError, Kube, path
 from kernelcache.controller.manifests import COMPILE
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
@@ -198,13 +198,21 @@ def inject(
         raise kopf.AdmissionError(str(exc), code=403) from None
     if ops:
         patch["spec"] = webhook.spec_patch(pod, ops)
-    # A deleted (or deleting) KernelCache's pod: its admission warning, also as a Warning event
-    # on the record (or the KernelCache), since the pod may have no name yet. Posted here, not
-    # with kopf.event, which only works in kopf's resource handlers.
     about = webhook.life_cycle_object(kc)
     if ops and about is not None and len(warnings) > said:
-        event = manifests.warning_event(about, "DeletedKernelCache", warnings[said])
-        memo.kube.create(path("v1", "events", about["metadata"]["namespace"]), event)
+        _warn(memo.kube, about, "DeletedKernelCache", warnings[said])
+
+
+def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
+    """A deleted (or deleting) KernelCache's pod: its admission warning, also as a Warning
+    event on the record (or the KernelCache), since the pod may have no name yet. Posted with
+    the operator's client (kopf.event works only in resource handlers); best effort, since a
+    lost event must not refuse the pod."""
+    try:
+        event = manifests.warning_event(about, reason, message)
+        kube.create(path("v1", "events", about["metadata"]["namespace"]), event)
+    except ApiError as exc:
+        logger.warning("cannot post the %s event (%s): %s", reason, exc, message)
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])
