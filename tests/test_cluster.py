@@ -385,10 +385,12 @@ def finished_pod(kc: harness.Cluster, name: str) -> dict[str, Any]:
 
 
 def init_said(pod: dict[str, Any]) -> str:
-    """The verify init-container's last termination message."""
-    (init,) = pod["status"]["initContainerStatuses"]
-    ended = init["state"].get("terminated") or (init.get("lastState") or {}).get("terminated")
-    return str((ended or {}).get("message") or "")
+    """The verify init-container's last termination message ("" before it ended once)."""
+    for init in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        state = init.get("state") or {}
+        ended = state.get("terminated") or (init.get("lastState") or {}).get("terminated")
+        return str((ended or {}).get("message") or "")
+    return ""
 
 
 def diagnosis(kc: harness.Cluster) -> str:
