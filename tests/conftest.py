@@ -86,7 +86,7 @@ def run_kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subproce
         capture_output=True,
         text=True,
         cwd=cwd,
-        timeout=900,
+        timeout=scaled(900),
     )
 
 
@@ -100,7 +100,7 @@ def serve_python(
         env=subprocess_env(**env),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
     )
 
 
