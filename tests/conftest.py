@@ -30,6 +30,17 @@ SCHEMAS = REPO / "docs" / "cli-schemas"
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, str(EXAMPLES))
 
+# Every deadline of the suite is scaled by this one setting (default 1): a slow or busy machine
+# runs with KERNELCACHE_TEST_TIMEOUT_SCALE=3, say, instead of failing on waits it would meet.
+# wait_until scales its timeout itself; any other deadline a test sets goes through scaled().
+TIMEOUT_SCALE = float(os.environ.get("KERNELCACHE_TEST_TIMEOUT_SCALE") or 1)
+
+
+def scaled(seconds: float) -> float:
+    """A deadline of the suite, in seconds on this machine (``TIMEOUT_SCALE``)."""
+    return seconds * TIMEOUT_SCALE
+
+
 HAVE_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl is not installed")
 
@@ -75,7 +86,7 @@ def run_kernelcache(*args: str, cwd: Path | None = None, **env: str) -> subproce
         capture_output=True,
         text=True,
         cwd=cwd,
-        timeout=900,
+        timeout=scaled(900),
     )
 
 
@@ -89,7 +100,7 @@ def serve_python(
         env=subprocess_env(**env),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
     )
 
 
@@ -261,12 +272,15 @@ T = TypeVar("T")
 def wait_until(
     check: Callable[[], T], timeout: float = 30.0, what: str = "", interval: float = 0.05
 ) -> T:
-    """Poll until ``check`` returns something truthy; fail with its last value."""
-    deadline = time.monotonic() + timeout
+    """Poll until ``check`` returns something truthy; fail with its last value. The timeout
+    is scaled (``scaled``): a busy machine may take longer, never a different path."""
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}: last {value!r}")
+            raise AssertionError(
+                f"timed out waiting for {what or check} ({scaled(timeout):g} s): last {value!r}"
+            )
         time.sleep(interval)

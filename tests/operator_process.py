@@ -38,7 +38,7 @@ from kubernetes import config as kube_config
 from kernelcache.controller.kube import Kube, jobs_path, path
 from kernelcache.controller.manifests import LABEL_ARCH, peering_crds
 from kernelcache.crd import crd_manifest
-from tests.conftest import subprocess_env, wait_until
+from tests.conftest import scaled, subprocess_env, wait_until
 from tests.k8s_emulator import KubernetesEmulator, serving
 
 # Hooks get the request and the token it carried ("" for none).
@@ -140,14 +140,14 @@ class Operator:
     def stop(self) -> None:
         """SIGTERM, as Kubernetes stops a pod: it must exit cleanly, without a traceback."""
         self.process.send_signal(signal.SIGTERM)
-        assert self.process.wait(timeout=30) == 0, self.tail()
+        assert self.process.wait(timeout=scaled(30)) == 0, self.tail()
         assert "Traceback" not in self.log.read_text(errors="replace"), self.tail()
 
     def kill(self) -> None:
         """SIGKILL, unless it exited already."""
         if not self.exited():
             os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
+        self.process.wait(timeout=scaled(30))
 
 
 @contextmanager

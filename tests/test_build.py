@@ -351,3 +351,60 @@ def test_a_warmer_naming_a_gpu_class_that_does_not_exist_is_one_line(tmp_path):
         f"kernelcache: error: {spec}: spec.warmers[0].gpuClasses[1]: no GPU class named "
         "'rtx-5900' (gpuClasses: rtx-pro-6000, rtx-5090, h100)"
     )
+
+
+def tuning_names() -> dict[str, str]:
+    """A file name under files/ that each toolchain declaring tuning takes for tuning."""
+    from kernelcache.toolchains import toolchains
+
+    names = {}
+    for toolchain in toolchains():
+        for suffix in toolchain.tuning_suffixes:
+            names[toolchain.name] = f"{toolchain.name}-tuned/k/op{suffix}"
+        for prefix in toolchain.tuning_prefixes:
+            names[toolchain.name] = f"{prefix}op.json"
+    return names
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["gpu-product", "none-declared"])
+def test_tuning_built_off_gpu_is_scoped_by_the_declared_product(tmp_path, declared):
+    """A build where no GPU of the arch is visible (this machine; ``compileOn: cpu``): the
+    tuning each toolchain writes carries the class's declared gpuProduct, so a strict pod on
+    that product takes it; with none declared the build publishes the compiled files only,
+    which strict pods on any product take. (Before: the stamp had no product and every
+    strict pod refused the generation.)"""
+    tuned = tuning_names()
+    assert {"triton", "inductor", "flashinfer"} <= set(tuned), tuned
+    files = [*tuned.values(), "triton/k/op.cubin"]
+    script = (
+        "import json, os, pathlib; root = pathlib.Path(os.environ['KERNELCACHE_FILES'])\n"
+        "for rel in json.loads(os.environ['KERNELCACHE_WORKLOAD'])['files']:\n"
+        "    (root / rel).parent.mkdir(parents=True, exist_ok=True); (root / rel).write_text('{}')"
+    )
+    warmer = {"type": "command", "command": [sys.executable, "-c", script],
+              "workload": {"files": files}}  # fmt: skip
+    spec = write_spec(tmp_path, warmers=[warmer])
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["gpuClasses"] = [doc["spec"]["gpuClasses"][0]]  # h200, sm_90a
+    doc["spec"]["gpuClasses"][0]["compileOn"] = "cpu"
+    if not declared:
+        del doc["spec"]["gpuClasses"][0]["gpuProduct"]
+    spec.write_text(yaml.safe_dump(doc))
+    store = tmp_path / "store"
+    proc = kernelcache("warm", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    manifest = Store(store).current_manifest("default/demo/sm_90a")
+    published = sorted(f.path for f in manifest.files)
+    if declared:
+        assert manifest.stamp["factors"]["gpu_product"] == "NVIDIA H200"
+        assert published == sorted(files)
+    else:
+        assert "gpu_product" not in manifest.stamp["factors"]
+        assert published == ["triton/k/op.cubin"]
+        assert "dropped 3 tuning file(s)" in proc.stderr, proc.stderr
+    for product, served in (("NVIDIA-H200", True), ("NVIDIA-H100", not declared)):
+        args = ["verify", "--store", str(store), "--key", "default/demo/sm_90a"]
+        proc = kernelcache(*args, "--policy", "strict", "--gpu-product", product)
+        assert (proc.returncode == 0) is served, proc.stderr
+        if not served:
+            assert "stamp mismatch: gpu_product" in one_line_error(proc)

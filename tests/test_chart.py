@@ -63,18 +63,23 @@ USED: list[tuple[str, str, set[str], str]] = [
     # job_changed); list/get/delete/create: handle_delete_kernelcache (stop compiles, cleanup
     # Job); create/delete: handle_reconcile_kernelcache (new and stale compile Jobs).
     ("batch", "jobs", {"get", "list", "watch", "create", "delete"}, "all"),
-    # list: the compile pods' results (reconcile) and running compiles (delete).
+    # list: the compile pods' results and why one cannot start (reconcile), running compiles
+    # (delete).
     ("", "pods", {"list"}, "all"),
     # create: reconcile makes the cache claim; delete: the finalizer drops an owned claim.
     ("", "persistentvolumeclaims", {"create", "delete"}, "all"),
     # create: reconcile writes the spec ConfigMap the compile Jobs read; create/patch:
     # handle_update_nodes writes the node map serving pods read; get/create/patch: the
-    # published record (reconcile), delete: the finalizer drops it with the data.
+    # published record (reconcile), delete: the finalizer drops it with the data, patch: or
+    # keeps the spec in it; get: webhook.lookup reads that kept spec for a deleted one.
     ("", "configmaps", {"get", "create", "patch", "delete"}, "all"),
     # list/watch: the gpu_nodes index and node_changed handler (main).
     ("", "nodes", {"list", "watch"}, "all"),
-    # create: kopf.event in main._post and main.delete (and kopf's own handler events).
-    ("", "events", {"create"}, "all"),
+    # create: kopf.event in main._post and main.delete (and kopf's own handler events), and
+    # main.inject's Warning about a pod of a deleted KernelCache;
+    # list: a compile pod's Warning events, when its status does not say why it cannot start
+    # (handle_reconcile_kernelcache._stuck).
+    ("", "events", {"create", "list"}, "all"),
     # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).
     ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}, "all"),
     # list/watch: kopf's namespace observation when given namespaces (falls back if denied).
@@ -97,7 +102,7 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 def env_of(docs: list[dict[str, Any]]) -> dict[str, str]:
     container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    return {e["name"]: e["value"] for e in container["env"]}
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
 # --- lint and rendering ---------------------------------------------------------------------
@@ -149,6 +154,7 @@ def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() 
     assert config.webhook_port == 9443 and config.metrics_port == 9090
     assert config.webhook_tls_dir == "/etc/kernelcache/webhook-tls"
     assert config.peering == "kernelcache" and config.namespaces == ()
+    assert config.peering_lifetime_seconds == 10
     deployment = one(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
@@ -163,6 +169,9 @@ def test_deployment_env_is_a_valid_operator_config_and_the_pod_is_locked_down() 
     assert container["resources"]["requests"] and container["resources"]["limits"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["webhook-tls"] == config.webhook_tls_dir
+    # The peering identity is the pod's: a restarted container takes its own place back.
+    (pod_id,) = [e for e in container["env"] if e["name"] == "POD_ID"]
+    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
 
 def test_fix_store_ownership_reaches_the_operator_config() -> None:

@@ -19,7 +19,12 @@ The module shares one cluster: each test is a step, in order, on what the previo
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import re
+import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -38,8 +43,9 @@ pytestmark = [
     pytest.mark.skipif(harness.missing() is not None, reason=str(harness.missing())),
 ]
 
+from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE  # noqa: E402
 from tests.cluster.images import Image, build_image  # noqa: E402
-from tests.conftest import REPO, wait_until  # noqa: E402
+from tests.conftest import REPO, SMALL_WORKLOAD, run_kernelcache, scaled, wait_until  # noqa: E402
 
 NAMESPACE = "kernelcache-system"
 RELEASE = "kc"
@@ -54,6 +60,7 @@ NODES = [
 ]
 EXAMPLE = REPO / "examples" / "kernelcache.yaml"
 SERVING_POD = REPO / "examples" / "demo-serving-pod.yaml"
+RESYNC = 2  # the operator's resync in seconds (operator.resyncSeconds)
 
 
 def free_port() -> int:
@@ -104,7 +111,11 @@ def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.
     webhook = free_port()
     values = {
         "replicaCount": 1,
-        "operator": {"livenessPort": free_port(), "metricsPort": free_port()},
+        "operator": {
+            "livenessPort": free_port(),
+            "metricsPort": free_port(),
+            "resyncSeconds": RESYNC,
+        },
         "webhook": {"port": webhook},
     }
     (kc.tmp / "values.yaml").write_text(yaml.safe_dump(values))
@@ -122,7 +133,7 @@ def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.
         capture_output=True,
         text=True,
         check=True,
-        timeout=60,
+        timeout=scaled(60),
     ).stdout
     ok(kc.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered))
 
@@ -136,6 +147,7 @@ def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.
         pod = operator_pod(kc)
         logs = kc.logs(pod, "operator") if pod else ""
         raise AssertionError(f"{pod.get('status')}\n{logs[-3000:]}\n{kc.errors[-1:]}") from None
+    (kc.tmp / "webhook-port").write_text(str(webhook))
     pod = operator_pod(kc)
     time.sleep(3)  # a crash at start (kopf's peering identity) comes within this
     pod = kc.pod(NAMESPACE, pod["metadata"]["name"])
@@ -293,3 +305,415 @@ def test_the_hook_without_a_writable_tmp_refuses_in_one_line(
     else:
         assert state["state"]["terminated"]["exitCode"] == 0, lines
         assert lines[-1] == "served" and "Traceback" not in "\n".join(lines), lines
+
+
+# --------------------------------------------------------------------------- the life cycle
+#
+# What the pods of a KernelCache see as it is created, breaks, is deleted, and as the operator
+# dies: each test makes the state on the cluster and looks at what the pods got.
+
+H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+SERVE = "import time; print('serving', flush=True); time.sleep(3600)"
+
+
+def kernelcache(name: str, **spec: Any) -> dict[str, Any]:
+    """The example KernelCache under ``name``: its H200 class only, the small workload."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["gpuClasses"] = doc["spec"]["gpuClasses"][:1]
+    doc["spec"]["warmers"][0]["workload"] = SMALL_WORKLOAD
+    doc["spec"].update(spec)
+    return doc
+
+
+def apply(kc: harness.Cluster, doc: dict[str, Any]) -> None:
+    ok(kc.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=json.dumps(doc)))
+
+
+def kc_status(kc: harness.Cluster, name: str) -> dict[str, Any]:
+    found = kc.kubectl("get", "kc", name, "-n", "default", "-o", "json")
+    return (json.loads(found.stdout).get("status") or {}) if found.returncode == 0 else {}
+
+
+def wait_ready(kc: harness.Cluster, name: str) -> dict[str, Any]:
+    return wait_until(
+        lambda: (st := kc_status(kc, name)).get("phase") == "Ready" and st,
+        timeout=300,
+        interval=1,
+        what=f"KernelCache {name}: Ready",
+    )
+
+
+def template(cache: str, command: str = SERVE) -> dict[str, Any]:
+    """A serving pod's template, labelled for ``cache``, on the H200 node."""
+    return {
+        "metadata": {"labels": {"app": f"{cache}-serve", "kernelcache.dev/cache": cache}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "nodeSelector": H200,
+            "tolerations": TOLERATIONS,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532},
+            "containers": [{
+                "name": "serve",
+                "image": "ghcr.io/kernelcache/examples:0.1.0",
+                "command": ["python", "-c", command],
+                "securityContext": {"readOnlyRootFilesystem": True},
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+        },
+    }  # fmt: skip
+
+
+def create_pod(
+    kc: harness.Cluster, name: str, cache: str, command: str = "print('served')"
+) -> subprocess.CompletedProcess[str]:
+    """A bare serving pod that runs to its end; what kubectl said (admission refuses here)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", **template(cache, command)}
+    pod["metadata"]["name"] = name
+    pod["spec"]["restartPolicy"] = "Never"
+    return kc.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(pod))
+
+
+def finished_pod(kc: harness.Cluster, name: str) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        got = kc.pod("default", name)
+        return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_until(done, timeout=120, interval=0.5, what=f"pod {name} to finish")
+
+
+def init_said(pod: dict[str, Any]) -> str:
+    """The verify init-container's last termination message ("" before it ended once)."""
+    for init in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        state = init.get("state") or {}
+        ended = state.get("terminated") or (init.get("lastState") or {}).get("terminated")
+        return str((ended or {}).get("message") or "")
+    return ""
+
+
+def diagnosis(kc: harness.Cluster) -> str:
+    """What the cluster refused and what the operator said last: for a failed wait."""
+    pod = operator_pod(kc)
+    logs = kc.logs(pod, "operator")[-4000:] if pod else "(no operator pod)"
+    return f"refused: {kc.api.denied[-3:]}\nerrors: {kc.errors[-1:]}\noperator:\n{logs}"
+
+
+def events_about(kc: harness.Cluster, name: str, reason: str) -> list[dict[str, Any]]:
+    events = kc.kube.list("/api/v1/namespaces/default/events")
+    return [e for e in events if e["involvedObject"].get("name") == name and e["reason"] == reason]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "cause"),
+    [
+        (  # the issue's case: a name typo in spec.verification.signing.secretName
+            "typo",
+            {"verification": {"policy": "strict",
+                              "signing": {"enabled": True, "secretName": "kc-signing-typo"}}},
+            'FailedMount: MountVolume.SetUp failed for volume "signing" : secret '
+            '"kc-signing-typo" not found',
+        ),
+        (  # an engine image that does not pull
+            "no-image",
+            {"engine": {"image": "ghcr.io/kernelcache/not-built:0.1.0"}},
+            "container warm: ErrImagePull: image ghcr.io/kernelcache/not-built:0.1.0 is not built",
+        ),
+        (  # a GPU class no node matches
+            "no-node",
+            {"gpuClasses": [{"name": "b300", "arch": "sm_100a",
+                             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B300"}}]},
+            "Unschedulable: 0/2 nodes are available: 2 node(s) didn't match Pod's node "
+            "affinity/selector.",
+        ),
+        (  # an existing claim that does not exist
+            "no-claim",
+            {"storage": {"existingClaim": "kernelcache-nope"}},
+            'Unschedulable: 0/2 nodes are available: persistentvolumeclaim "kernelcache-nope" '
+            "not found.",
+        ),
+    ],
+    ids=["secret-typo", "image-pull", "unschedulable", "missing-claim"],
+)  # fmt: skip
+def test_a_compile_pod_that_cannot_start_degrades_the_kernelcache_naming_why(
+    kc: harness.Cluster, name: str, spec: dict[str, Any], cause: str
+) -> None:
+    """Before: ``Compiling``, ``Job … is compiling`` and Degraded False, while the pod sat
+    Pending; a real Job counts it active until its deadline (4,500 s here)."""
+    apply(kc, kernelcache(name, **spec))
+
+    def degraded() -> dict[str, Any] | None:
+        st = kc_status(kc, name)
+        found = {c["type"]: c for c in st.get("conditions") or []}.get("Degraded") or {}
+        return st if found.get("status") == "True" else None
+
+    # Within a resync of the pod being refused (and its Job's start, which is an event).
+    st = wait_until(degraded, timeout=2 * RESYNC + 15, interval=0.5, what=f"{name}: Degraded")
+    assert st["phase"] == "Degraded"
+    condition = {c["type"]: c for c in st["conditions"]}["Degraded"]
+    assert condition["reason"] == "JobCannotStart" and cause in condition["message"], condition
+    (arch,) = st["arches"]
+    assert arch["phase"] == "Pending" and " cannot start: pod kc-" in arch["message"], arch
+    assert events_about(kc, name, "JobCannotStart"), kc.kube.list(
+        "/api/v1/namespaces/default/events"
+    )
+    row = ok(kc.kubectl("get", "kc", name, "-n", "default")).splitlines()[1].split()
+    assert row[4] == "Degraded", row
+    if name != "typo":
+        ok(kc.kubectl("delete", "kc", name, "-n", "default"))
+        return
+    # The Secret made under the name the spec gives: the pod starts, the build publishes.
+    keys = kc.tmp / "signing-keys"
+    proc = run_kernelcache("keygen", str(keys))
+    assert proc.returncode == 0, proc.stderr
+    data = {f: base64.b64encode((keys / f).read_bytes()).decode()
+            for f in (SIGNING_KEY_FILE, PUBLIC_KEY_FILE)}  # fmt: skip
+    secret = {"apiVersion": "v1", "kind": "Secret", "data": data,
+              "metadata": {"name": "kc-signing-typo", "namespace": "default"}}  # fmt: skip
+    apply(kc, secret)
+    st = wait_ready(kc, name)
+    condition = {c["type"]: c for c in st["conditions"]}["Degraded"]
+    assert condition["status"] == "False", condition
+
+
+def test_a_deleted_kernelcache_still_serves_its_scaled_deployment_until_its_data_goes(
+    kc: harness.Cluster,
+) -> None:
+    """Before: once the KernelCache was deleted, the webhook refused every new pod (``does not
+    exist``), so its Deployment could neither scale nor replace a crashed replica."""
+    apply(kc, kernelcache("kept"))
+    wait_ready(kc, "kept")
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "kept-serve", "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "kept-serve"}},
+                 "template": template("kept")},
+    }  # fmt: skip
+    apply(kc, deployment)
+
+    def running(count: int) -> list[dict[str, Any]] | None:
+        pods = [p for p in kc.pods("default", "app=kept-serve")
+                if (p.get("status") or {}).get("phase") == "Running"]  # fmt: skip
+        return pods if len(pods) == count else None
+
+    (first,) = wait_until(lambda: running(1), timeout=120, interval=0.5, what="one replica")
+    ok(kc.kubectl("delete", "kc", "kept", "-n", "default"))
+    assert kc.kubectl("get", "kc", "kept", "-n", "default").returncode != 0
+    patch = json.dumps({"spec": {"replicas": 2}})
+    ok(
+        kc.kubectl(
+            "patch", "deployment", "kept-serve", "-n", "default", "--type=merge", "-p", patch
+        )
+    )
+    try:
+        pods = wait_until(lambda: running(2), timeout=120, interval=0.5, what="the second replica")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnosis(kc)}") from None
+    (second,) = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]]
+    init_log = kc.logs(second, "kernelcache")
+    assert "default/kept/sm_90a: generation" in init_log and "verified" in init_log, init_log
+    (event,) = events_about(kc, "kc-kept-published", "DeletedKernelCache")
+    assert event["type"] == "Warning" and "KernelCache default/kept was deleted" in event["message"]
+
+    # The data deleted too: a replaced replica does not start, and says why in one line.
+    shutil.rmtree(kc.claim_dir("default", "kernelcache-kept") / "default" / "kept")
+    ok(kc.kubectl("delete", "pod", second["metadata"]["name"], "-n", "default", "--wait=false"))
+
+    def refused() -> str | None:
+        gone = (first["metadata"]["uid"], second["metadata"]["uid"])
+        pods = kc.pods("default", "app=kept-serve")
+        others = [p for p in pods if p["metadata"]["uid"] not in gone]
+        return next((said for p in others if p.get("status") and (said := init_said(p))), None)
+
+    line = wait_until(refused, timeout=120, interval=0.5, what="the replacement's init-container")
+    assert "default/kept/sm_90a: no published generation" in line, line
+    assert kc.pod("default", first["metadata"]["name"])["status"]["phase"] == "Running"
+    ok(kc.kubectl("delete", "deployment", "kept-serve", "-n", "default"))
+
+
+def test_tuning_built_off_the_gpu_serves_a_strict_pod_of_the_declared_product(
+    kc: harness.Cluster,
+) -> None:
+    """A ``compileOn: cpu`` build that writes tuning (here: a Triton autotune choice, as an
+    engine's own warm-up leaves it). Before: the stamp had no GPU product, and every strict
+    pod refused it (``gpu_product: (no such factor) != NVIDIA-H200``)."""
+    script = (
+        "import os, pathlib; root = pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k1')\n"
+        "root.mkdir(parents=True); (root / 'matmul.cubin').write_bytes(b'cubin')\n"
+        "(root / 'matmul.autotune.json').write_text('{\"BLOCK_M\": 64}')"
+    )
+    doc = kernelcache("tuned", warmers=[{"type": "command", "command": ["python", "-c", script]}])
+    doc["spec"]["gpuClasses"][0]["compileOn"] = "cpu"  # gpuProduct: NVIDIA H200, as declared
+    apply(kc, doc)
+    wait_ready(kc, "tuned")
+    ok(create_pod(kc, "tuned-serve", "tuned"))
+    pod = finished_pod(kc, "tuned-serve")
+    assert pod["status"]["phase"] == "Succeeded", init_said(pod) or kc.logs(pod, "kernelcache")
+    assert "verified" in kc.logs(pod, "kernelcache")
+    assert kc.logs(pod, "serve").strip() == "served"
+
+
+def test_an_operator_killed_and_replaced_reconciles_again_within_its_peering_lifetime(
+    kc: harness.Cluster,
+) -> None:
+    """SIGKILL: no clean exit withdraws the replica's peering record. Before: the restarted
+    container was a new peer (a random identity) and waited for that record to expire (60 s)
+    unless it drew the higher priority: about 51 s with nobody reconciling."""
+    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/kernelcache"
+    records = kc.kube.get(peering).get("status") or {}
+    pod = operator_pod(kc)
+    # Its record is under its pod's name: the container restarted in the pod is the same
+    # peer, so it does not wait for its predecessor's record to expire.
+    assert set(records) == {pod["metadata"]["name"]}, records
+    assert all(r["lifetime"] == 10 for r in records.values()), records
+    (pid,) = kc.runner(pod).pids().values()
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    apply(kc, kernelcache("after-kill"))
+    wait_until(lambda: kc_status(kc, "after-kill").get("phase"), timeout=10 + 30, interval=0.2,
+               what="a reconcile by the replacement")  # fmt: skip
+    seconds = time.monotonic() - killed
+    print(f"operator killed: reconciling again after {seconds:.1f} s")
+    restarted = kc.pod(NAMESPACE, pod["metadata"]["name"])["status"]["containerStatuses"][0]
+    assert restarted["restartCount"] == 1, restarted
+    ok(kc.kubectl("delete", "kc", "after-kill", "-n", "default"))
+
+
+# --------------------------------------------------------------------------- the docs' table
+
+NO_NODE = [{"name": "b300", "arch": "sm_100a",
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B300"}}]  # fmt: skip
+
+
+def table_rows() -> dict[str, list[str]]:
+    """docs/operations.md's table of states: each state's lines quoted as a new pod sees them."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("## What a serving pod sees in each state", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("**"):
+            rows[cells[0].strip("*")] = re.findall(r"`([^`]+)`", cells[2])
+    return rows
+
+
+def seen_absent(kc: harness.Cluster) -> tuple[str, str]:
+    return "never", create_pod(kc, "walk-absent", "never").stderr
+
+
+def seen_deleted(kc: harness.Cluster) -> tuple[str, str]:
+    apply(kc, kernelcache("walk-deleted"))
+    wait_ready(kc, "walk-deleted")
+    ok(kc.kubectl("delete", "kc", "walk-deleted", "-n", "default"))
+    ok(create_pod(kc, "walk-deleted-1", "walk-deleted"))
+    served = finished_pod(kc, "walk-deleted-1")
+    assert served["status"]["phase"] == "Succeeded", init_said(served)
+    events = events_about(kc, "kc-walk-deleted-published", "DeletedKernelCache")
+    seen = [f"{e['reason']}: {e['message']}" for e in events]
+    shutil.rmtree(kc.claim_dir("default", "kernelcache-walk-deleted") / "default" / "walk-deleted")
+    ok(create_pod(kc, "walk-deleted-2", "walk-deleted"))
+    refused = finished_pod(kc, "walk-deleted-2")
+    assert refused["status"]["phase"] == "Failed"
+    return "walk-deleted", "\n".join([*seen, init_said(refused)])
+
+
+def seen_deleting(kc: harness.Cluster) -> tuple[str, str]:
+    # Data kept, held in deletion by a finalizer of someone else's.
+    held = kernelcache("walk-held", gpuClasses=NO_NODE)
+    held["metadata"]["finalizers"] = ["example.com/hold"]
+    apply(kc, held)
+    wait_until(lambda: kc_status(kc, "walk-held").get("phase"), what="walk-held reconciled")
+    ok(kc.kubectl("delete", "kc", "walk-held", "-n", "default", "--wait=false"))
+    wait_until(
+        lambda: kc.kube.get("/apis/kernelcache.dev/v1alpha1/namespaces/default/kernelcaches/"
+                            "walk-held")["metadata"].get("finalizers") == ["example.com/hold"],
+        what="the operator's finalizer done",
+    )  # fmt: skip
+    ok(create_pod(kc, "walk-held-1", "walk-held"))
+    said = [e["message"] for e in events_about(kc, "walk-held", "DeletedKernelCache")]
+    # Data deleted with it, from a claim of the user's: its cleanup Job's image is not there,
+    # so the finalizer waits.
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "walk-going-data", "namespace": "default"},
+             "spec": {"accessModes": ["ReadWriteMany"],
+                      "resources": {"requests": {"storage": "1Gi"}}}}  # fmt: skip
+    apply(kc, claim)
+    going = kernelcache(
+        "walk-going",
+        gpuClasses=NO_NODE,
+        storage={"existingClaim": claim["metadata"]["name"]},
+        retention={"generations": 2, "deleteDataOnDelete": True},
+    )
+    apply(kc, going)
+    wait_until(lambda: kc_status(kc, "walk-going").get("phase"), what="walk-going reconciled")
+    ok(kc.kubectl("delete", "kc", "walk-going", "-n", "default", "--wait=false"))
+    refused = create_pod(kc, "walk-going-1", "walk-going")
+    assert refused.returncode != 0
+    return "walk-going", "\n".join([*said, refused.stderr])
+
+
+def seen_compiling(kc: harness.Cluster) -> tuple[str, str]:
+    slow = [{"type": "command", "command": ["python", "-c", "import time; time.sleep(600)"]}]
+    apply(kc, kernelcache("walk-compiling", warmers=slow))
+    wait_until(lambda: kc_status(kc, "walk-compiling").get("phase") == "Compiling",
+               timeout=60, interval=0.5, what="walk-compiling: Compiling")  # fmt: skip
+    ok(create_pod(kc, "walk-compiling-1", "walk-compiling"))
+    said = init_said(finished_pod(kc, "walk-compiling-1"))
+    ok(kc.kubectl("delete", "kc", "walk-compiling", "-n", "default"))
+    return "walk-compiling", said
+
+
+def seen_degraded(kc: harness.Cluster) -> tuple[str, str]:
+    apply(kc, kernelcache("walk-degraded", gpuClasses=NO_NODE))
+    wait_until(lambda: kc_status(kc, "walk-degraded").get("phase") == "Degraded",
+               timeout=2 * RESYNC + 15, interval=0.5, what="walk-degraded: Degraded")  # fmt: skip
+    ok(create_pod(kc, "walk-degraded-1", "walk-degraded"))
+    said = init_said(finished_pod(kc, "walk-degraded-1"))
+    ok(kc.kubectl("delete", "kc", "walk-degraded", "-n", "default"))
+    return "walk-degraded", said
+
+
+def seen_operator_down(kc: harness.Cluster) -> tuple[str, str]:
+    (deployment,) = ok(kc.kubectl("get", "deployment", "-n", NAMESPACE, "-o", "name")).split()
+
+    def scale(replicas: int) -> None:
+        patch = json.dumps({"spec": {"replicas": replicas}})
+        ok(kc.kubectl("patch", deployment, "-n", NAMESPACE, "--type=merge", "-p", patch))
+
+    scale(0)
+    wait_until(lambda: not operator_pod(kc), timeout=60, interval=0.5, what="no operator")
+    refused = create_pod(kc, "walk-down-1", "tuned")
+    scale(1)
+    port = int((kc.tmp / "webhook-port").read_text())
+    wait_until(lambda: webhook_serves(port), timeout=120, interval=0.5, what="the webhook back")
+    assert refused.returncode != 0
+    return "tuned", refused.stderr
+
+
+STATES = {
+    "absent": seen_absent,
+    "deleted": seen_deleted,
+    "deleting": seen_deleting,
+    "compiling": seen_compiling,
+    "degraded": seen_degraded,
+    "operator down": seen_operator_down,
+}
+
+
+def test_what_a_serving_pod_sees_in_each_state_is_what_the_operations_guide_says(
+    kc: harness.Cluster,
+) -> None:
+    """Every row of the table in docs/operations.md, made on the cluster: each line the row
+    quotes is in what a new pod got (the admission answer, Warning events, the
+    init-container's message)."""
+    rows = table_rows()
+    assert set(rows) == set(STATES), rows
+    for state, quoted in rows.items():
+        assert quoted, f"row {state!r} quotes nothing"
+        name, seen = STATES[state](kc)
+        for line in quoted:
+            line = line.replace("<namespace>/<name>", f"default/{name}")
+            line = line.replace("kc-<name>-published", f"kc-{name}-published")
+            assert line in seen, f"{state}: {line!r} not in what the pod saw:\n{seen}"

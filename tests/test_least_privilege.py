@@ -605,8 +605,8 @@ def rbac_of(request: Request) -> tuple[str, str, str] | None:
 @needs_helm
 def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
     """A whole life cycle, every branch that calls the API: a KernelCache on a claim of its
-    own and one on a shared claim, both deleting their data on delete; Jobs succeed, Jobs
-    are stopped, the shared claim's data goes by a cleanup Job."""
+    own and one on a shared claim, both deleting their data on delete; a Job's pod waits to
+    start, Jobs succeed, Jobs are stopped, the shared claim's data goes by a cleanup Job."""
     called: set[tuple[str, str, str]] = set()
 
     def record(request: Request, token: str) -> bool:
@@ -643,6 +643,20 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
             return list(status.get("arches") or [])
 
         (job,) = wait_until(lambda: jobs_of("own-claim"), what="the compile Job")
+        # Its pod is still being created: the operator reads the pod's events for a reason.
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        meta = {"name": f"{job['metadata']['name']}-waiting", "labels": labels}
+        waiting = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": meta,
+            "status": {"phase": "Pending"},
+        }
+        kube.create(f"/api/v1/namespaces/{namespace}/pods", waiting)
+        kube.patch(
+            jobs_path(namespace, job["metadata"]["name"]) + "/status", {"status": {"active": 1}}
+        )
+        wait_until(lambda: ("", "events", "list") in called, what="the waiting pod's events read")
         finish_job(kube, job, succeeded=True)
         wait_until(lambda: phase("own-claim") == "Ready", what="own-claim Ready")
         # A GPU node joins: the namespace's node map is rewritten.

@@ -48,7 +48,7 @@ from kernelcache.controller.manifests import (
     spec_digest,
 )
 from kernelcache.spec import parse_kernelcache
-from tests.conftest import kernelcache_doc, wait_until
+from tests.conftest import kernelcache_doc, scaled, wait_until
 from tests.operator_process import ApiHarness, api_harness, finish_job, result_generation
 
 pytestmark = pytest.mark.slow
@@ -269,7 +269,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path
             # Each start outranks the dead replicas still listed in the peering object.
             operator = api.start_operator(**settings, PRIORITY=str(round_ + 1))
             finish_some(api.kube, rng, SEED, share=0.3)
-            returncode = operator.process.wait(timeout=60)
+            returncode = operator.process.wait(timeout=scaled(60))
             assert returncode == -signal.SIGKILL and len(switch.killed) == round_ + 1, (
                 f"round {round_}: the operator was not killed at write {write} "
                 f"(seed {SEED}): {operator.tail()}"
@@ -281,7 +281,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path
                 finish_some(api.kube, rng, SEED, share=1.0) == 0
                 and all_settled(api.kube, len(caches))
             ),
-            timeout=90,
+            timeout=scaled(90),
             what=f"every KernelCache to settle (seed {SEED})",
         )
         operator.stop()
@@ -338,7 +338,7 @@ class JobController:
             for _ in self._threads:
                 self.created.put(None)
             for thread in self._threads:
-                thread.join(timeout=30)
+                thread.join(timeout=scaled(30))
 
 
 CACHES = 500
@@ -365,7 +365,7 @@ def test_500_kernelcaches_with_random_job_outcomes_end_in_the_right_phase(tmp_pa
                 caches[body["metadata"]["name"]] = expected(SEED, body, SCALE_ATTEMPTS)
             wait_until(
                 lambda: controller.errors or all_settled(api.kube, CACHES),
-                timeout=240,
+                timeout=scaled(240),
                 what=f"every KernelCache to settle (seed {SEED})",
                 interval=1.0,  # a list of 500 KernelCaches is no small request
             )

@@ -425,3 +425,150 @@ def test_a_record_of_this_claim_reads_back_as_finished_arches() -> None:
     assert state.recorded(record, "shared") == {}
     for text in (None, "", "{", "[]", json.dumps({"claim": "kernelcache-demo", "arches": 3})):
         assert state.recorded(text, "kernelcache-demo") == {}
+
+
+# A compile pod that cannot start
+
+
+def pending_pod(
+    *,
+    conditions: list[dict[str, Any]] | None = None,
+    waiting: dict[str, str] | None = None,
+    init_waiting: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": "Pending", "conditions": conditions or []}
+    if init_waiting is not None:
+        status["initContainerStatuses"] = [
+            {"name": "store-ownership", "state": {"waiting": init_waiting}}
+        ]
+    status["containerStatuses"] = [
+        {"name": "warm", "state": {"waiting": waiting or {"reason": "ContainerCreating"}}}
+    ]
+    meta = {"name": "kc-demo-sm-90a-d1-x7k2p", "uid": "u1", "creationTimestamp": ts(30)}
+    return {"metadata": meta, "status": status}
+
+
+def warning(reason: str, message: str, *, name: str = "kc-demo-sm-90a-d1-x7k2p", ago: float = 5,
+            kind: str = "Warning") -> dict[str, Any]:  # fmt: skip
+    return {
+        "type": kind,
+        "reason": reason,
+        "message": message,
+        "involvedObject": {"kind": "Pod", "name": name, "uid": "u1"},
+        "lastTimestamp": ts(ago),
+    }
+
+
+UNSCHEDULABLE = {
+    "type": "PodScheduled",
+    "status": "False",
+    "reason": "Unschedulable",
+    "message": '0/2 nodes are available: persistentvolumeclaim "kernelcache-demo" not found.',
+}
+NOT_FOUND = 'MountVolume.SetUp failed for volume "signing" : secret "kc-signing-typo" not found'
+
+
+@pytest.mark.parametrize(
+    ("pod_", "events", "said"),
+    [
+        (  # no claim (the scheduler's words), or no node of the class
+            pending_pod(conditions=[UNSCHEDULABLE]),
+            [],
+            'Unschedulable: 0/2 nodes are available: persistentvolumeclaim "kernelcache-demo" '
+            "not found.",
+        ),
+        (
+            pending_pod(
+                waiting={"reason": "ImagePullBackOff", "message": "Back-off pulling image"}
+            ),
+            [],
+            "container warm: ImagePullBackOff: Back-off pulling image",
+        ),
+        (  # a Secret key the env names
+            pending_pod(
+                waiting={
+                    "reason": "CreateContainerConfigError",
+                    "message": 'secret "kc-signing-typo" not found',
+                }
+            ),
+            [],
+            'container warm: CreateContainerConfigError: secret "kc-signing-typo" not found',
+        ),
+        (  # a Secret volume: the container only says ContainerCreating; the event says why
+            pending_pod(),
+            [warning("FailedMount", "old", ago=60), warning("FailedMount", NOT_FOUND)],
+            f"FailedMount: {NOT_FOUND}",
+        ),
+        (  # a reason nobody listed, from the init container
+            pending_pod(init_waiting={"reason": "RunContainerError", "message": "exec: no sh"}),
+            [],
+            "container store-ownership: RunContainerError: exec: no sh",
+        ),
+        (  # a sandbox that cannot be made: an event of a kind nobody listed either
+            pending_pod(),
+            [warning("FailedCreatePodSandBox", "failed to set up network")],
+            "FailedCreatePodSandBox: failed to set up network",
+        ),
+    ],
+    ids=["unschedulable", "image-pull", "secret-key", "secret-volume", "init-error", "sandbox"],
+)
+def test_a_pod_that_cannot_start_says_why(
+    pod_: dict[str, Any], events: list[dict[str, Any]], said: str
+) -> None:
+    stuck = state.pod_stuck([pod_], events)
+    name = pod_["metadata"]["name"]
+    assert stuck is not None and stuck.startswith(f"pod {name}"), stuck
+    assert stuck.endswith(said), stuck
+
+
+def test_only_a_job_with_an_active_pod_none_ready_may_be_stuck() -> None:
+    assert state.may_be_stuck(job(active=1))
+    assert not state.may_be_stuck(job())  # no pod yet
+    assert not state.may_be_stuck({**job(active=1), "status": {"active": 1, "ready": 1}})
+    assert not state.may_be_stuck(job(failed=True, active=1))
+
+
+def test_a_pod_on_its_way_is_not_stuck() -> None:
+    assert state.pod_stuck([]) is None
+    assert state.pod_stuck([pending_pod()]) is None  # being created, nothing said against it
+    other = [
+        warning("FailedMount", NOT_FOUND, name="another-pod"),
+        warning("Pulled", "ok", kind="Normal"),
+    ]
+    assert state.pod_stuck([pending_pod()], other) is None
+    running = {**pending_pod(), "status": {"phase": "Running"}}
+    assert state.pod_stuck([running], [warning("FailedMount", NOT_FOUND)]) is None
+
+
+def test_a_job_whose_pod_cannot_start_degrades_the_kernelcache_and_warns() -> None:
+    stuck = state.pod_stuck([pending_pod()], [warning("FailedMount", NOT_FOUND)])
+    decided = state.plan_arch("sm_90a", [job(active=1)], None, True, None, POLICY, NOW, stuck)
+    assert decided.status["phase"] == "Pending" and decided.progressing
+    assert decided.status["message"] == f"Job kc-demo-sm-90a-d1 cannot start: {stuck}"
+    compiling = state.summarize([arch_plan("sm_90a", "Compiling", True)], 1, {}, NOW)
+    status = state.summarize([decided], 1, compiling, NOW)
+    assert status["phase"] == "Degraded"
+    degraded = conditions(status)["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "JobCannotStart"
+    assert 'secret "kc-signing-typo" not found' in degraded["message"]
+    assert state.transitions(compiling, status, [decided]) == [
+        state.Event("Warning", "JobCannotStart", f"sm_90a: {decided.status['message']}")
+    ]
+    assert state.transitions(status, status, [decided]) == []  # said once
+
+
+def test_a_failure_seen_only_when_its_retry_is_due_is_still_told() -> None:
+    """The operator was busy or down through the whole backoff: the arch goes from Compiling
+    straight to the retry, and the failure still gets its Warning event."""
+    due = plan([job(failed=True, finished_ago=61)])
+    compiling = state.summarize([arch_plan("sm_90a", "Compiling", True)], 1, {}, NOW)
+    status = state.summarize([due], 1, compiling, NOW)
+    (event,) = state.transitions(compiling, status, [due])
+    assert event.type == "Warning" and event.reason == "CompileFailed"
+    assert "BackoffLimitExceeded" in event.message
+    # Seen during its backoff, the failure was told then (phase Failed): not told twice.
+    waited = plan([job(failed=True, finished_ago=10)])
+    failed = state.summarize([waited], 1, compiling, NOW)
+    assert [e.reason for e in state.transitions(compiling, failed, [waited])] == ["CompileFailed"]
+    retry = plan([job(failed=True, finished_ago=61)], failed["arches"][0])
+    assert state.transitions(failed, state.summarize([retry], 1, failed, NOW), [retry]) == []

@@ -29,6 +29,7 @@ from kernelcache.controller.webhook import (  # noqa: E402
     ANNOTATION_CONTAINERS,
     ANNOTATION_IMAGE_POLICY,
     Denied,
+    Kept,
     apply_ops,
     lookup,
     mutate_pod,
@@ -302,14 +303,72 @@ def test_no_label_and_non_create_get_an_empty_patch() -> None:
 
 
 def test_missing_kernelcache_is_denied_naming_it() -> None:
+    read = []
+
     def get(path: str) -> dict[str, Any]:
-        assert path == kernelcache_path("team-a", "demo")
-        raise ApiError(404, "NotFound", 'kernelcaches.kernelcache.dev "demo" not found')
+        read.append(path)
+        raise ApiError(404, "NotFound", "not found")
 
     pod = the_pod()
     assert lookup(pod, get) is None
+    # The KernelCache, then the record where a finalizer would have kept its spec.
+    assert read == [kernelcache_path("team-a", "demo"), RECORD_PATH]
     with pytest.raises(Denied, match=r"KernelCache team-a/demo \(label kernelcache.dev/cache\)"):
         mutate_pod(pod, None, CONFIG)
+
+
+RECORD_PATH = "/api/v1/namespaces/team-a/configmaps/kc-demo-published"
+
+
+def record(kept: dict[str, Any] | None) -> dict[str, Any]:
+    """The published record as the finalizer leaves it when the data stays."""
+    data = {"published.json": '{"arches": {}, "claim": "kernelcache-demo"}'}
+    if kept is not None:
+        doc = {k: kept[k] for k in ("apiVersion", "kind", "spec")}
+        doc["metadata"] = {"name": "demo", "namespace": "team-a"}
+        data["kept.yaml"] = yaml.safe_dump(doc)
+    meta = {"name": "kc-demo-published", "namespace": "team-a", "uid": "r1"}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def deleted(kept: dict[str, Any] | None) -> Any:
+    def get(path: str) -> dict[str, Any]:
+        if path == RECORD_PATH:
+            return record(kept)
+        raise ApiError(404, "NotFound", "not found")
+
+    return get
+
+
+def test_a_deleted_kernelcache_whose_data_is_kept_still_injects_with_a_warning() -> None:
+    """A Deployment can scale and replace its pods: they verify the kept generation."""
+    pod, live = the_pod(), kernelcache()
+    found = lookup(pod, deleted(live))
+    assert isinstance(found, Kept) and found.record["metadata"]["name"] == "kc-demo-published"
+    warnings: list[str] = []
+    ops = mutate_pod(pod, found, CONFIG, warnings=warnings)
+    assert ops == mutate_pod(pod, live, CONFIG)  # the same init-container, volumes and env
+    assert warnings == [
+        "pod team-a/llama-7d9f8c6b5-: KernelCache team-a/demo was deleted; the pod loads its "
+        "kept generations until ConfigMap kc-demo-published or the data is deleted"
+    ]
+    # The record without a kept spec (its data was deleted, or nothing was kept): refused.
+    assert lookup(pod, deleted(None)) is None
+
+
+def test_a_kernelcache_being_deleted_injects_only_while_its_data_stays() -> None:
+    pod = the_pod()
+    going = kernelcache()
+    going["metadata"]["deletionTimestamp"] = "2026-01-02T03:04:05Z"
+    warnings: list[str] = []
+    assert mutate_pod(pod, going, CONFIG, warnings=warnings)
+    assert warnings == [
+        "pod team-a/llama-7d9f8c6b5-: KernelCache team-a/demo is being deleted; the pod loads "
+        "its kept generations"
+    ]
+    going["spec"]["retention"]["deleteDataOnDelete"] = True
+    with pytest.raises(Denied, match=r"is being deleted with its data \(retention"):
+        mutate_pod(pod, going, CONFIG)
 
 
 def test_unreadable_kernelcache_is_denied() -> None:
@@ -497,11 +556,16 @@ def test_validation_lets_an_object_being_deleted_through() -> None:
 
 
 class FakeKube:
-    """Answers GETs of KernelCaches from a dict; anything else is a 404."""
+    """Answers GETs from a dict (anything else is a 404); keeps what is created."""
 
     def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
         self.objects = objects
         self.gets: list[str] = []
+        self.created: list[tuple[str, dict[str, Any]]] = []
+
+    def create(self, collection: str, body: dict[str, Any]) -> bool:
+        self.created.append((collection, body))
+        return True
 
     def get(self, path: str) -> dict[str, Any]:
         self.gets.append(path)
@@ -596,6 +660,27 @@ def test_kopf_mutating_webhook_denies_a_missing_kernelcache() -> None:
     assert answer["status"]["code"] == 403
     assert "KernelCache team-a/demo" in answer["status"]["message"]
     assert "does not exist" in answer["status"]["message"]
+
+
+def test_kopf_mutating_webhook_injects_a_deleted_kernelcaches_pod_with_a_warning_event() -> None:
+    """Through kopf's admission entry point, which runs no event queue: the event is posted
+    by the operator's own client (kopf.event raised here, and the pod was refused)."""
+    kube = FakeKube({RECORD_PATH: record(kernelcache())})
+    answer = admit(pod_review(), kube, "mutating")["response"]
+    assert answer["allowed"] is True and "patch" in answer, answer
+    (warning,) = answer["warnings"]
+    assert "KernelCache team-a/demo was deleted" in warning
+    ((collection, event),) = kube.created
+    assert collection == "/api/v1/namespaces/team-a/events"
+    assert event["type"] == "Warning" and event["reason"] == "DeletedKernelCache"
+    assert event["message"] == warning
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "kc-demo-published",
+        "namespace": "team-a",
+        "uid": "r1",
+    }
 
 
 def test_kopf_mutating_webhook_image_policies() -> None:

@@ -24,11 +24,12 @@ from typing import Any
 
 from kernelcache import progress
 from kernelcache import stamp as stamps
+from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
 from kernelcache.errors import ExitCode, StorageError, one_line
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store
-from kernelcache.toolchains import make_warmers
+from kernelcache.toolchains import is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
 
 
@@ -103,6 +104,48 @@ def declared_factors(kc: KernelCache) -> dict[str, str]:
     return {"model": kc.spec.model, "engine_image": image}
 
 
+def tuning_product(kc: KernelCache, arch: str, detected: str | None) -> str | None:
+    """The GPU product a generation's tuning is for (its stamp's ``gpu_product``).
+
+    The GPU the warm ran on, when it is of the arch: tuning is measured there. Else (a
+    ``compileOn: cpu`` build, or ``any-gpu`` landing on another arch) the product the arch's
+    GPU classes declare (``gpuProduct``), when they declare exactly one; else none, and the
+    build publishes no tuning (``drop_unscoped_tuning``).
+    """
+    declared = {c.gpu_product for c in kc.spec.gpu_classes if c.arch == arch and c.gpu_product}
+    slugs = {product_slug(p) for p in declared}
+    if detected is not None:
+        if slugs and product_slug(detected) not in slugs:
+            print(
+                f"kernelcache: warning: {arch}: tuning is measured on {detected}, not on the "
+                f"declared {' or '.join(sorted(declared))}; pods on those refuse it (strict) "
+                "or drop it",
+                file=sys.stderr,
+            )
+        return detected
+    return next(iter(declared)) if len(slugs) == 1 else None
+
+
+def drop_unscoped_tuning(files_dir: Path, arch: str) -> list[str]:
+    """Remove the staged tuning files of a build that knows no GPU product: tuning scoped to
+    no product is refused by every strict pod, while the compiled kernels serve them all."""
+    dropped = sorted(
+        rel
+        for path in files_dir.rglob("*")
+        if path.is_file() and is_tuning_file(rel := path.relative_to(files_dir).as_posix())
+    )
+    for rel in dropped:
+        (files_dir / rel).unlink()
+    if dropped:
+        print(
+            f"kernelcache: warning: {arch}: dropped {len(dropped)} tuning file(s), e.g. "
+            f"{dropped[0]}: no GPU of {arch} is visible and its GPU classes declare no "
+            "single gpuProduct",
+            file=sys.stderr,
+        )
+    return dropped
+
+
 def warm_arch(
     kc: KernelCache,
     spec_dir: Path | None,
@@ -119,8 +162,10 @@ def warm_arch(
     configs = kc.spec.warmers_for(arch)
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
+    product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
     stamp = stamps.collect(
         arch=arch,
+        gpu_product=product,
         sources=sources,
         workload=workload_of(kc, arch),
         extra=declared_factors(kc),
@@ -150,6 +195,8 @@ def warm_arch(
         files_dir = writer.staging()
         positions = [kc.spec.warmers.index(c) for c in configs]
         report = run_warmers(warmers, files_dir, arch, positions)
+        if product is None:
+            drop_unscoped_tuning(files_dir, arch)
         manifest = writer.publish(
             files_dir,
             stamp.to_dict(),

@@ -188,7 +188,12 @@ class GpuClass(BaseModel):
     )
     arch: Arch = Field(description="SM architecture kernels are compiled for, e.g. sm_90a.")
     gpu_product: str | None = Field(
-        default=None, description="GPU product name, e.g. 'NVIDIA H200'; scopes autotune results."
+        default=None,
+        description=(
+            "GPU product name, e.g. 'NVIDIA H200'; scopes autotune results. A build where no "
+            "GPU of the arch is visible (compileOn cpu or any-gpu) stamps its tuning with it; "
+            "without it such a build publishes no tuning."
+        ),
     )
     sm_count: int | None = Field(
         default=None,

@@ -56,6 +56,7 @@ from tests.cluster.api import ADMIN, ClusterAPI, certificate_authority, label_se
 from tests.cluster.controllers import Controllers
 from tests.cluster.images import Image
 from tests.cluster.kubelet import Kubelet, PodRunner
+from tests.conftest import scaled
 from tests.k8s_emulator import serving
 from tests.operator_process import kubeconfig
 
@@ -95,7 +96,7 @@ class Cluster:
     kubeconfig: Path
     kubelet: Kubelet
     tmp: Path
-    errors: list[str] = field(default_factory=list)  # what a controller pass raised
+    errors: list[str] = field(default_factory=list)  # what a controller pass or pod raised
 
     def kubectl(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         """The real kubectl as the cluster admin."""
@@ -111,7 +112,7 @@ class Cluster:
             input=stdin,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
             check=False,
         )
 
@@ -197,7 +198,7 @@ def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) ->
             kube.create("/api/v1/nodes", node)
         kubelet = Kubelet(kube, tmp / "kubelet", images, api, tls_port, ca)
         controllers = Controllers(kube, nodes)
-        the = Cluster(api, kube, config, kubelet, tmp)
+        the = Cluster(api, kube, config, kubelet, tmp, kubelet.errors)
         stop = threading.Event()
 
         def loop() -> None:
@@ -215,6 +216,6 @@ def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) ->
             yield the
         finally:
             stop.set()
-            thread.join(timeout=10)
+            thread.join(timeout=scaled(10))
             kubelet.stop()
             time.sleep(0.1)

@@ -1,14 +1,16 @@
 """The controllers a cluster runs beside the API server, one pass at a time.
 
 - Deployment: one ReplicaSet per pod template (named after a hash of it, owned by the
-  Deployment); an older template's ReplicaSet is deleted (no rolling update).
+  Deployment, scaled with it); an older template's ReplicaSet is deleted (no rolling update).
 - ReplicaSet: ``replicas`` live pods of its template, owned by it.
 - Job: a pod of its template at a time while it has not succeeded and has failed at most
   ``backoffLimit`` times; then ``Complete`` or ``Failed`` (``BackoffLimitExceeded``) in its
   status, with ``startTime``, ``completionTime``, ``succeeded`` and ``failed``.
 - Garbage collector: an object whose owner (by uid) is gone is deleted (background).
 - Scheduler: a pod without a node is bound to the first node whose labels match its
-  ``nodeSelector`` and whose taints it tolerates.
+  ``nodeSelector`` and whose taints it tolerates, once every claim it mounts exists; else it
+  stays unbound with ``PodScheduled`` False (``Unschedulable``, the scheduler's message) and
+  a ``FailedScheduling`` Warning event, as kube-scheduler leaves it.
 
 Each pass reads through the API as the cluster's admin; pods it creates go through admission.
 """
@@ -137,7 +139,12 @@ class Controllers:
                     "template": template,
                 },
             }
-            self.kube.create(path("apps/v1", "replicasets", meta["namespace"]), replica_set)
+            if not self.kube.create(path("apps/v1", "replicasets", meta["namespace"]), replica_set):
+                current = next((r for r in sets if r["metadata"]["name"] == name), None)
+                wanted = replica_set["spec"]["replicas"]
+                if current is not None and current["spec"].get("replicas") != wanted:  # scaled
+                    rs_path = path("apps/v1", "replicasets", meta["namespace"], name)
+                    self.kube.patch(rs_path, {"spec": {"replicas": wanted}})
 
     def _replicasets(self, pods: list[dict[str, Any]]) -> None:
         for replica_set in self._list("apps/v1", "replicasets"):
@@ -204,21 +211,78 @@ class Controllers:
 
     def _schedule(self, pods: list[dict[str, Any]]) -> None:
         for pod in pods:
-            spec = pod["spec"]
+            spec, meta = pod["spec"], pod["metadata"]
             if spec.get("nodeName") or _finished(pod):
                 continue
-            wanted = spec.get("nodeSelector") or {}
-            for node in self.nodes:
-                labels = node["metadata"].get("labels") or {}
-                if all(labels.get(k) == v for k, v in wanted.items()) and self._tolerated(
-                    node, spec
-                ):
-                    meta = pod["metadata"]
-                    self.kube.patch(
-                        path("v1", "pods", meta["namespace"], meta["name"]),
-                        {"spec": {"nodeName": node["metadata"]["name"]}},
-                    )
-                    break
+            pod_path = path("v1", "pods", meta["namespace"], meta["name"])
+            why = self._unschedulable(pod)
+            if why is None:
+                wanted = spec.get("nodeSelector") or {}
+                node = next(
+                    (
+                        n
+                        for n in self.nodes
+                        if all((n["metadata"].get("labels") or {}).get(k) == v
+                               for k, v in wanted.items())
+                        and self._tolerated(n, spec)
+                    ),
+                    None,
+                )  # fmt: skip
+                if node is not None:
+                    self.kube.patch(pod_path, {"spec": {"nodeName": node["metadata"]["name"]}})
+                    scheduled = {"type": "PodScheduled", "status": "True"}
+                    self.kube.patch(pod_path + "/status", {"status": {"conditions": [scheduled]}})
+                    continue
+                count = len(self.nodes)
+                why = (
+                    f"0/{count} nodes are available: {count} node(s) didn't match Pod's node "
+                    "affinity/selector."
+                )
+            condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                         "message": why}  # fmt: skip
+            if (pod.get("status") or {}).get("conditions") != [condition]:
+                status = {"phase": "Pending", "conditions": [condition]}
+                self.kube.patch(pod_path + "/status", {"status": status})
+                self._warn(pod, "FailedScheduling", why)
+
+    def _unschedulable(self, pod: dict[str, Any]) -> str | None:
+        """The scheduler's reason for a pod whose claim does not exist, else None."""
+        namespace = pod["metadata"]["namespace"]
+        for volume in pod["spec"].get("volumes") or []:
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim is None:
+                continue
+            try:
+                self.kube.get(path("v1", "persistentvolumeclaims", namespace, claim))
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                return (
+                    f'0/{len(self.nodes)} nodes are available: persistentvolumeclaim "{claim}" '
+                    f"not found. preemption: 0/{len(self.nodes)} nodes are available: "
+                    f"{len(self.nodes)} Preemption is not helpful for scheduling."
+                )
+        return None
+
+    def _warn(self, pod: dict[str, Any], reason: str, message: str) -> None:
+        meta = pod["metadata"]
+        self.kube.create(
+            path("v1", "events", meta["namespace"]),
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}"},
+                "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                   "namespace": meta["namespace"], "uid": meta["uid"]},
+                "type": "Warning",
+                "reason": reason,
+                "message": message,
+                "source": {"component": "default-scheduler"},
+                "firstTimestamp": _now(),
+                "lastTimestamp": _now(),
+                "count": 1,
+            },
+        )  # fmt: skip
 
     @staticmethod
     def _tolerated(node: dict[str, Any], spec: dict[str, Any]) -> bool:

@@ -20,6 +20,13 @@ container's own ``env`` with ``fieldRef`` (downward API), ``configMapKeyRef`` an
 ``secretKeyRef`` filled in, ``HOME`` from the user database, and the in-cluster API address.
 ``command`` replaces the image's ENTRYPOINT and ``args`` its CMD.
 
+A pod that cannot start stays Pending as a kubelet leaves it: a Secret or ConfigMap volume
+that does not exist keeps its containers ``ContainerCreating`` and posts a Warning event
+``FailedMount`` (``MountVolume.SetUp failed for volume "V" : secret "S" not found``); an env
+key that does not exist makes the container wait with ``CreateContainerConfigError``; an
+image that was not built, ``ErrImagePull``. Each is tried again every second, so the pod
+starts once what it needs appears.
+
 Init containers run one after another, then the containers together; ``restartPolicy``
 ``Always`` restarts an exited container (or a failed init container) after a short backoff,
 ``Never`` ends the pod. The termination message is the ``terminationMessagePath`` file, or
@@ -38,6 +45,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,6 +53,7 @@ from typing import Any
 
 from kernelcache.controller.kube import ApiError, Kube, path
 from tests.cluster.images import Image
+from tests.conftest import scaled
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -91,7 +100,14 @@ exec chroot "$root" "$@"
 
 
 class NotReady(Exception):
-    """A pod cannot start yet (a claim, ConfigMap or Secret is missing): retried."""
+    """A pod cannot start yet (a claim, ConfigMap or Secret is missing): retried.
+
+    ``reason`` is what the kubelet says: a Warning event's reason for a volume (``event``),
+    else the waiting reason of the container."""
+
+    def __init__(self, message: str, reason: str = "ContainerCreating", event: bool = False):
+        super().__init__(message)
+        self.reason, self.event = reason, event
 
 
 def _now() -> str:
@@ -163,9 +179,8 @@ class PodRunner(threading.Thread):
                 if not self._run_to_success(container, mounts):
                     return
             self._run_containers(mounts)
-        except NotReady as exc:  # the container cannot be created: the pod stays Pending
-            self.message = str(exc)
-            self._report()
+        except Exception:  # kept for the test to see (Cluster.errors), as a controller's
+            self.kubelet.errors.append(f"pod {self.pod_name}: {traceback.format_exc()}")
         finally:
             self._kill_all()
 
@@ -178,10 +193,33 @@ class PodRunner(threading.Thread):
             try:
                 return self._volumes()
             except NotReady as exc:
-                self.message = str(exc)
-                self._report()
+                self._not_ready(exc, [*self.inits, *self.containers])
                 self.stopping.wait(1.0)
         return None
+
+    def _not_ready(self, exc: NotReady, containers: list[Container]) -> None:
+        """Say why the pod cannot start where a kubelet says it: an event, or the waiting
+        reason of the containers it concerns."""
+        self.message = str(exc)
+        if exc.event:
+            self.kubelet.event(self.pod, exc.reason, str(exc))
+            for container in containers:
+                container.state = {"waiting": {"reason": "ContainerCreating"}}
+        else:
+            for container in containers:
+                container.state = {"waiting": {"reason": exc.reason, "message": str(exc)}}
+        self._report()
+
+    def _start_when_ready(self, container: Container, mounts: dict[str, Path]) -> bool:
+        """Start the container once it can be created; False when the pod was stopped."""
+        while not self.stopping.is_set():
+            try:
+                self._start(container, mounts)
+                return True
+            except NotReady as exc:
+                self._not_ready(exc, [container])
+                self.stopping.wait(1.0)
+        return False
 
     def _run_to_success(self, container: Container, mounts: dict[str, Path]) -> bool:
         """An init container, restarted until it succeeds unless restartPolicy is Never."""
@@ -199,7 +237,9 @@ class PodRunner(threading.Thread):
     def _run_containers(self, mounts: dict[str, Path]) -> None:
         always = self.spec.get("restartPolicy", "Always") == "Always"
         for container in self.containers:
-            self._start(container, mounts)
+            if not self._start_when_ready(container, mounts):
+                return
+        self.message = ""
         self.phase = "Running"
         self._report()
         while not self.stopping.wait(0.2):
@@ -219,7 +259,8 @@ class PodRunner(threading.Thread):
                 return
 
     def _start_and_wait(self, container: Container, mounts: dict[str, Path]) -> int:
-        self._start(container, mounts)
+        if not self._start_when_ready(container, mounts):
+            return -1
         assert container.process is not None
         while container.process.poll() is None:
             if self.stopping.wait(0.2):
@@ -233,20 +274,16 @@ class PodRunner(threading.Thread):
         spec = container.spec
         image = self.kubelet.images.get(spec["image"])
         if image is None:
-            container.state = {
-                "waiting": {
-                    "reason": "ErrImagePull",
-                    "message": f"image {spec['image']} is not built",
-                }
-            }
-            self._report()
-            raise NotReady(f"image {spec['image']} is not built")
+            raise NotReady(f"image {spec['image']} is not built", "ErrImagePull")
         if container.process is not None:
             container.restarts += 1
         security = {**self.security, **(spec.get("securityContext") or {})}
         uid, gid, home = self._user(image, security)
         if security.get("runAsNonRoot") and uid == 0:
-            raise NotReady(f"container {container.name}: runAsNonRoot and image will run as root")
+            raise NotReady(
+                "container has runAsNonRoot and image will run as root",
+                "CreateContainerConfigError",
+            )
         groups = [
             g
             for g in [
@@ -388,8 +425,18 @@ class PodRunner(threading.Thread):
                     ref["name"],
                 )
                 data = (obj or {}).get("data") or {}
+                what = "secret" if kind == "secretKeyRef" else "configmap"
+                if obj is None:
+                    raise NotReady(
+                        f'{what} "{ref["name"]}" not found', "CreateContainerConfigError"
+                    )
                 if ref["key"] not in data:
-                    raise NotReady(f"{kind} {ref['name']}/{ref['key']} not found")
+                    raise NotReady(
+                        f"couldn't find key {ref['key']} in "
+                        f"{'Secret' if what == 'secret' else 'ConfigMap'} "
+                        f"{self.namespace}/{ref['name']}",
+                        "CreateContainerConfigError",
+                    )
                 value = data[ref["key"]]
                 found[item["name"]] = (
                     base64.b64decode(value).decode() if kind == "secretKeyRef" else value
@@ -468,7 +515,12 @@ class PodRunner(threading.Thread):
             "configmaps" if kind == "configMap" else "secrets", self.namespace, name
         )
         if obj is None and not source.get("optional"):
-            raise NotReady(f'{kind} "{name}" not found')
+            raise NotReady(
+                f'MountVolume.SetUp failed for volume "{volume["name"]}" : '
+                f'{kind.lower()} "{name}" not found',
+                "FailedMount",
+                event=True,
+            )
         data = {k: v.encode() for k, v in ((obj or {}).get("data") or {}).items()}
         if kind == "secret":
             data = {k: base64.b64decode(v) for k, v in data.items()}
@@ -476,7 +528,15 @@ class PodRunner(threading.Thread):
         if items:
             missing = [i["key"] for i in items if i["key"] not in data]
             if missing and obj is not None and not source.get("optional"):
-                raise NotReady(f"{kind} {name}: no key {missing[0]}")
+                raise NotReady(
+                    f'MountVolume.SetUp failed for volume "{volume["name"]}" : configmap '
+                    f"references non-existent config key: {missing[0]}"
+                    if kind == "configMap"
+                    else f'MountVolume.SetUp failed for volume "{volume["name"]}" : '
+                    f"references non-existent secret key: {missing[0]}",
+                    "FailedMount",
+                    event=True,
+                )
             data = {i["path"]: data[i["key"]] for i in items if i["key"] in data}
         atomic_writer(where, data, int(source.get("defaultMode", 0o644)) & 0o777, fs_group)
 
@@ -565,11 +625,11 @@ class PodRunner(threading.Thread):
             if process is not None and process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGTERM)
-                    process.wait(timeout=10)
+                    process.wait(timeout=scaled(10))
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(timeout=10)
+                    process.wait(timeout=scaled(10))
 
     def pids(self) -> dict[str, int]:
         """The running containers' command processes (the last of the setup chain)."""
@@ -596,6 +656,8 @@ class Kubelet:
         self.api_port, self.ca_pem = api_port, ca_pem
         self.pods: dict[str, PodRunner] = {}
         self._user_dbs: dict[tuple[str, str], Path] = {}
+        self._events: set[tuple[str, str, str]] = set()
+        self.errors: list[str] = []  # what a pod's thread raised
 
     def read(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -639,6 +701,38 @@ class Kubelet:
         self.api.tokens[token] = (f"system:serviceaccount:{namespace}:{account}", groups)
         return token
 
+    def event(self, pod: dict[str, Any], reason: str, message: str) -> None:
+        """A Warning event about ``pod`` from this kubelet, once per reason and message (a
+        kubelet counts repeats on one event)."""
+        meta = pod["metadata"]
+        key = (meta["uid"], reason, message)
+        if key in self._events:
+            return
+        self._events.add(key)
+        now = _now()
+        self.kube.create(
+            path("v1", "events", meta["namespace"]),
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}"},
+                "involvedObject": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta["uid"],
+                },
+                "type": "Warning",
+                "reason": reason,
+                "message": message,
+                "source": {"component": "kubelet", "host": pod["spec"].get("nodeName", "")},
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            },
+        )
+
     def write_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         try:
             pod = self.kube.get(path("v1", "pods", namespace, name))
@@ -664,7 +758,7 @@ class Kubelet:
         for runner in self.pods.values():
             runner.stop()
         for runner in self.pods.values():
-            runner.join(timeout=15)
+            runner.join(timeout=scaled(15))
 
 
 __all__ = ["Kubelet", "NotReady", "atomic_writer", "json"]

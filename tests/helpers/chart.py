@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tests.conftest import REPO
+from tests.conftest import REPO, scaled
 
 CHART = REPO / "charts" / "kernelcache"
 HELM = REPO / ".tools" / "bin" / "helm"
@@ -31,7 +31,7 @@ VALUES: dict[str, dict[str, Any]] = {
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(HELM), *args], capture_output=True, text=True, timeout=120, check=False
+        [str(HELM), *args], capture_output=True, text=True, timeout=scaled(120), check=False
     )
 
 

@@ -33,7 +33,7 @@ kmock = pytest.importorskip("kmock", reason="needs kmock (the Kubernetes API emu
 
 import kopf  # noqa: E402
 import yaml  # noqa: E402
-from tests.conftest import EXAMPLES, wait_until  # noqa: E402
+from tests.conftest import EXAMPLES, scaled, wait_until  # noqa: E402
 from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
 
 from kernelcache.controller.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
@@ -92,8 +92,11 @@ class Cluster:
     def exists(self, name: str) -> bool:
         return any(o["metadata"]["name"] == name for o in self.kube.list(kernelcache_path(NS)))
 
-    def finish(self, job: dict[str, Any], *, failed: bool = False, message: str = "") -> None:
-        """Be the kubelet and the Job controller: the pod ends, then its Job."""
+    def finish(
+        self, job: dict[str, Any], *, failed: bool = False, message: str = "", ago: float = 0
+    ) -> None:
+        """Be the kubelet and the Job controller: the pod ends, then its Job (``ago`` seconds
+        ago: what an operator that was busy or down meanwhile sees)."""
         meta = job["metadata"]
         labels = job["spec"]["template"]["metadata"]["labels"]
         terminated = {"exitCode": 11 if failed else 0, "message": message}
@@ -106,8 +109,8 @@ class Cluster:
             },
         }
         self.kube.create(path("v1", "pods", NS), pod)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 42))
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - ago))
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - ago - 42))
         condition = {"type": "Complete", "status": "True", "lastTransitionTime": now}
         if failed:
             condition.update(
@@ -191,7 +194,7 @@ def operator(cluster: Cluster, *args: str, instance: str = "replica-a") -> Itera
     watches = cluster.emulator.watches
     before = watches["kernelcaches"], watches["jobs"]
     argv = ["run", "-A", "--verbose", "-m", "kernelcache.controller.main", *args]
-    with kopf_testing.KopfRunner(argv, settings=settings, timeout=30) as runner:
+    with kopf_testing.KopfRunner(argv, settings=settings, timeout=scaled(30)) as runner:
         wait_until(
             lambda: watches["kernelcaches"] > before[0] and watches["jobs"] > before[1],
             what="the operator's watches",

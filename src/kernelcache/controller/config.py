@@ -41,6 +41,15 @@ class OperatorConfig(BaseModel):
     # one replica of a Deployment reconciles and another takes over when it goes.
     priority: int | None = Field(default=None, ge=0)
 
+    # How long a replica's peering record counts as alive without a keep-alive. A replica
+    # that exits cleanly (SIGTERM: a rollout, a drain) withdraws its record and another takes
+    # over at once; one killed (SIGKILL, OOM, a lost node) is waited for this long, since
+    # until then it may still be working. kopf renews the record every 1-5 s at 10 s (the
+    # lifetime less 5-10 s, at least 1 s), so a keep-alive must be late by seconds before
+    # two replicas work at once (harmless: every handler is idempotent and writes status
+    # conditionally). kopf's own default is 60 s: a minute with nobody reconciling.
+    peering_lifetime_seconds: int = Field(default=10, ge=2)
+
     # kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz; empty turns it off.
     liveness: str = "http://0.0.0.0:8080/healthz"
 

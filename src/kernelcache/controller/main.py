@@ -25,7 +25,7 @@ from kernelcache.contract import (
     LABEL_MANAGED_BY,
     MANAGED_BY,
 )
-from kernelcache.controller import metrics, webhook
+from kernelcache.controller import manifests, metrics, webhook
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
@@ -35,7 +35,7 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
 from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
-from kernelcache.controller.kube import Kube
+from kernelcache.controller.kube import ApiError, Kube, path
 from kernelcache.controller.manifests import COMPILE
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
@@ -60,6 +60,7 @@ def _configure(settings: kopf.OperatorSettings) -> None:
             settings.peering.priority = CONFIG.priority
         elif settings.peering.priority == defaults.peering.priority:  # no --priority given
             settings.peering.priority = secrets.randbelow(2**31 - 1) + 1
+        settings.peering.lifetime = CONFIG.peering_lifetime_seconds
         settings.peering.mandatory = True
         settings.peering.standalone = False
     else:
@@ -189,7 +190,7 @@ def inject(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A labelled serving pod: add the verify init-container, the cache volumes and env."""
-    pod, operation = dict(body), _operation(kwargs)
+    pod, operation, said = dict(body), _operation(kwargs), len(warnings)
     try:
         kc = webhook.lookup(pod, memo.kube.get, operation)
         ops = webhook.mutate_pod(pod, kc, CONFIG, operation=operation, warnings=warnings)
@@ -197,6 +198,21 @@ def inject(
         raise kopf.AdmissionError(str(exc), code=403) from None
     if ops:
         patch["spec"] = webhook.spec_patch(pod, ops)
+    about = webhook.life_cycle_object(kc)
+    if ops and about is not None and len(warnings) > said:
+        _warn(memo.kube, about, "DeletedKernelCache", warnings[said])
+
+
+def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
+    """A deleted (or deleting) KernelCache's pod: its admission warning, also as a Warning
+    event on the record (or the KernelCache), since the pod may have no name yet. Posted with
+    the operator's client (kopf.event works only in resource handlers); best effort, since a
+    lost event must not refuse the pod."""
+    try:
+        event = manifests.warning_event(about, reason, message)
+        kube.create(path("v1", "events", about["metadata"]["namespace"]), event)
+    except ApiError as exc:
+        logger.warning("cannot post the %s event (%s): %s", reason, exc, message)
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])

@@ -1,7 +1,8 @@
 """Pure builders of what the operator creates: claim, spec ConfigMap, compile and cleanup Jobs.
 
 Everything here is a function of a validated KernelCache, its owner reference and the
-operator config, returning plain dicts; nothing talks to the API server.
+operator config (or, for an Event, of the object it is about), returning plain dicts;
+nothing talks to the API server.
 
 How a compile Job gets its spec: the operator writes the KernelCache (apiVersion, kind,
 name, namespace and the validated spec) as YAML into an immutable ConfigMap named after the
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
+from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -50,6 +53,7 @@ COMPILE = "compile"
 CLEANUP = "cleanup"
 RECORD = "record"
 RECORD_FILE = "published.json"
+KEPT_FILE = "kept.yaml"  # the spec of a KernelCache deleted with its data kept
 
 SPEC_DIR = "/etc/kernelcache/spec"
 SPEC_FILE = "kernelcache.yaml"
@@ -165,8 +169,18 @@ def spec_configmap(kc: KernelCache, owner: dict[str, Any], digest: str) -> dict[
     }
 
 
-def record_name(kc: KernelCache) -> str:
-    return f"kc-{kc.metadata.name}"[: 253 - 10].rstrip("-.") + "-published"
+def record_name(kc: KernelCache | str) -> str:
+    """The published record's name, from the KernelCache or its name alone (the webhook
+    looks for it when the KernelCache is gone)."""
+    name = kc if isinstance(kc, str) else kc.metadata.name
+    return f"kc-{name}"[: 253 - 10].rstrip("-.") + "-published"
+
+
+def kept_data(kc: KernelCache) -> dict[str, str]:
+    """What the finalizer adds to the record when the data stays: the spec, so that pods
+    labelled for the deleted KernelCache are still given the init-container that verifies
+    its kept generations (``webhook.lookup``)."""
+    return {KEPT_FILE: yaml.safe_dump(spec_document(kc), sort_keys=False)}
 
 
 def published_record(kc: KernelCache, uid: str, arches: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +196,33 @@ def published_record(kc: KernelCache, uid: str, arches: dict[str, Any]) -> dict[
         "kind": "ConfigMap",
         "metadata": _metadata(kc, record_name(kc), _labels(uid, RECORD), None),
         "data": {RECORD_FILE: json.dumps(record, sort_keys=True)},
+    }
+
+
+def warning_event(about: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
+    """A Warning Event on ``about`` (an object as the API server returned it), as kopf posts
+    them, for the admission handlers, where kopf's own posting does not run."""
+    meta = about["metadata"]
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}"[-253:]},
+        "involvedObject": {
+            "apiVersion": about.get("apiVersion"),
+            "kind": about.get("kind"),
+            "name": meta["name"],
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        },
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": MANAGED_BY},
+        "reportingComponent": MANAGED_BY,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
     }
 
 

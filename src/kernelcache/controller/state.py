@@ -18,6 +18,10 @@ digest is new for every ``metadata.generation``, so a reverted spec's old Jobs a
   visible (``kubectl get jobs``) and makes the attempt count survive operator restarts.
 - Until a new Job publishes, the arch keeps showing the generation that is published now:
   the store's CURRENT only moves on publish.
+- A Job whose pod cannot start (``pod_stuck``: unschedulable, an image that does not pull, a
+  Secret, ConfigMap or claim that does not exist) is not compiling: the arch says why, in the
+  scheduler's or kubelet's words, and the KernelCache is Degraded until the pod runs. A real
+  Job counts such a pod as active until its ``activeDeadlineSeconds``.
 """
 
 from __future__ import annotations
@@ -151,6 +155,76 @@ def job_seconds(job: dict[str, Any]) -> float | None:
     return max(0.0, (finished - started).total_seconds())
 
 
+def may_be_stuck(job: dict[str, Any]) -> bool:
+    """Whether a Job has a pod that may not have started: active, none of them ready (a Job
+    controller that reports ``ready`` saves reading the pods of every running compile)."""
+    status = job.get("status") or {}
+    return job_state(job) == "Compiling" and not status.get("ready")
+
+
+# A container waiting for these is on its way; any other reason is the kubelet refusing it.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def pod_stuck(pods: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]] = ()) -> str | None:
+    """Why the newest pod of a Job cannot start, in one line; None when it runs or may yet.
+
+    In the order Kubernetes reports it: the scheduler's ``PodScheduled`` condition (no node,
+    a claim that does not exist), a container waiting for a reason other than being created
+    (``ErrImagePull``, ``ImagePullBackOff``, ``CreateContainerConfigError``: a Secret or
+    ConfigMap key its env names), then the newest Warning event about the pod (the kubelet's
+    ``FailedMount`` for a Secret or ConfigMap volume that does not exist, which leaves the
+    container merely ``ContainerCreating``). Every reason is taken as given, so a cause this
+    module has never heard of is shown as well.
+    """
+    newest = max(
+        pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", default=None
+    )
+    if newest is None or (newest.get("status") or {}).get("phase", "Pending") != "Pending":
+        return None
+    meta, status = newest.get("metadata") or {}, newest.get("status") or {}
+    pod = f"pod {meta.get('name', '?')}"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return _reason(
+                pod, condition.get("reason") or "Unschedulable", condition.get("message")
+            )
+    for container in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") and waiting["reason"] not in _STARTING:
+            where = f"{pod} container {container.get('name', '?')}"
+            return _reason(where, waiting["reason"], waiting.get("message"))
+    warnings = [
+        e
+        for e in events
+        if e.get("type") == "Warning"
+        and (e.get("involvedObject") or {}).get("kind") == "Pod"
+        and (e.get("involvedObject") or {}).get("name") == meta.get("name")
+        and (e.get("involvedObject") or {}).get("uid") in (None, meta.get("uid"))
+    ]
+    if warnings:
+        last = max(warnings, key=_event_time)
+        return _reason(pod, last.get("reason") or "Warning", last.get("message"))
+    return None
+
+
+def _reason(where: str, reason: str, message: str | None) -> str:
+    text = " ".join((message or "").split())[:300]
+    return f"{where}: {reason}: {text}" if text else f"{where}: {reason}"
+
+
+def _event_time(event: dict[str, Any]) -> str:
+    return str(
+        event.get("lastTimestamp")
+        or event.get("eventTime")
+        or (event.get("metadata") or {}).get("creationTimestamp")
+        or ""
+    )
+
+
 def termination_result(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``ArchResult`` the newest pod's ``warm`` container left as termination message.
 
@@ -198,6 +272,13 @@ class ArchPlan:
     create_attempt: int | None = None  # create the Job of this attempt
     progressing: bool = False  # a Job is waiting or running, or a retry is scheduled
     job: dict[str, Any] | None = None  # the newest Job the status was read from
+    # A Warning this state is (CANNOT_START, or a failure retried at once): posted with the
+    # arch's message when it changes, and the reason the KernelCache is Degraded.
+    warning: str | None = None
+
+
+CANNOT_START = "JobCannotStart"
+COMPILE_FAILED = "CompileFailed"
 
 
 def jobs_by_arch(jobs: Iterable[dict[str, Any]], digest: str) -> dict[str, list[dict[str, Any]]]:
@@ -247,12 +328,14 @@ def plan_arch(
     result: dict[str, Any] | None,
     policy: RetryPolicy,
     now: datetime,
+    stuck: str | None = None,
 ) -> ArchPlan:
     """Decide one arch's status and next Job from its Jobs of the current spec.
 
     ``previous`` is the arch's entry in the status as last written and ``previous_current``
     whether that status was written for the current ``metadata.generation``; ``result`` is
-    the newest Job's termination result when it has finished (``needs_result``).
+    the newest Job's termination result when it has finished (``needs_result``), ``stuck``
+    why its pod cannot start (``pod_stuck``) while it has not.
     """
     published = {_PUBLISHED[k]: previous[k] for k in PUBLISHED_FIELDS if previous and k in previous}
 
@@ -269,6 +352,9 @@ def plan_arch(
     name, attempt = job["metadata"]["name"], job_attempt(job)
     of = f" (attempt {attempt + 1} of {policy.max_attempts})" if attempt else ""
     outcome = job_state(job)
+    if outcome in ("Pending", "Compiling") and stuck:
+        message = f"Job {name} cannot start{of}: {stuck}"
+        return ArchPlan(status("Pending", message), None, True, job, CANNOT_START)
     if outcome == "Pending":
         return ArchPlan(status("Pending", f"Job {name} is waiting to start{of}"), None, True, job)
     if outcome == "Compiling":
@@ -294,8 +380,10 @@ def plan_arch(
         return ArchPlan(status("Failed", gave_up), job=job)
     failed_at = job_finished_at(job) or parse_time(job["metadata"].get("creationTimestamp"))
     due = (failed_at or now) + timedelta(seconds=policy.delay(attempt))
-    if now >= due:
-        return ArchPlan(status("Pending", f"retrying after {detail}"), attempt + 1, True, job)
+    if now >= due:  # seen only now (the backoff passed unseen): told as the retry starts
+        told = previous is not None and previous.get("phase") == "Failed"
+        retrying = status("Pending", f"retrying after {detail}")
+        return ArchPlan(retrying, attempt + 1, True, job, None if told else COMPILE_FAILED)
     retry = f"{detail}; retry {attempt + 2} of {policy.max_attempts} at {format_time(due)}"
     return ArchPlan(status("Failed", retry), None, True, job)
 
@@ -352,18 +440,21 @@ def summarize(
     ready = sum(a["phase"] == "Ready" for a in arches)
     serving = sum(bool(a.get("generation")) for a in arches)
     failed = [a for a in arches if a["phase"] == "Failed"]
+    stuck = [p.status for p in plans if p.warning == CANNOT_START]
     busy = [a for a, p in zip(arches, plans, strict=True) if p.progressing]
     count = f"{ready}/{len(arches)} arches ready"
     all_ready = ready == len(arches)
     busy_text = "; ".join(f"{a['arch']}: {a['message']}" for a in busy) or count
-    failed_text = "; ".join(f"{a['arch']}: {a['message']}" for a in failed) or count
+    failed_text = "; ".join(f"{a['arch']}: {a['message']}" for a in failed + stuck) or count
+    degraded = COMPILE_FAILED if failed else CANNOT_START if stuck else "NoFailures"
     wanted = [
         ("Ready", all_ready, "ArchesReady" if all_ready else "ArchesNotReady", count),
         ("Progressing", bool(busy), "Compiling" if busy else "Idle", busy_text),
-        ("Degraded", bool(failed), "CompileFailed" if failed else "NoFailures", failed_text),
+        ("Degraded", bool(failed or stuck), degraded, failed_text),
     ]
+    phase = overall_phase([a["phase"] for a in arches])
     return {
-        "phase": overall_phase([a["phase"] for a in arches]),
+        "phase": "Degraded" if stuck and phase in ("Pending", "Compiling") else phase,
         "observedGeneration": generation,
         "readyArches": f"{ready}/{len(arches)}",
         "servingArches": f"{serving}/{len(arches)}",
@@ -406,12 +497,19 @@ class Event:
     message: str
 
 
-def transitions(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:
-    """Events for what changed: an arch started, published or failed; the spec became invalid."""
+def transitions(
+    previous: dict[str, Any], status: dict[str, Any], plans: Iterable[ArchPlan] = ()
+) -> list[Event]:
+    """Events for what changed: an arch started, published, failed or cannot start (the
+    ``warning`` of its plan); the spec became invalid."""
     events: list[Event] = []
     before = {a.get("arch"): a for a in previous.get("arches") or []}
+    warned = {p.status["arch"]: p.warning for p in plans if p.warning}
     for arch in status.get("arches") or []:
         old = before.get(arch["arch"]) or {}
+        if (reason := warned.get(arch["arch"])) and old.get("message") != arch["message"]:
+            events.append(Event("Warning", reason, f"{arch['arch']}: {arch['message']}"))
+            continue
         if old.get("phase") == arch["phase"] and arch["phase"] != "Failed":
             continue
         if arch["phase"] == "Failed" and old.get("message") == arch["message"]:

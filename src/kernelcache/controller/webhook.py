@@ -39,6 +39,18 @@ Pod annotations:
 - ``kernelcache.dev/containers``: comma-separated names of the serving containers; default
   all of ``spec.containers`` (list them when the pod has sidecars in other images).
 
+A KernelCache's life cycle, as a new labelled pod meets it (``docs/operations.md`` has the
+table):
+
+- deleted with its data kept (``retention.deleteDataOnDelete`` false): the finalizer keeps
+  its spec in the published record (``manifests.KEPT_FILE``), and the pod is injected from
+  that, with an admission warning and a Warning event on the record: the init-container
+  verifies the kept generation that CURRENT names, as for a live KernelCache. Deleting the
+  record (or the data) ends it: the pod is refused, or its init-container finds no
+  generation and the pod does not start;
+- being deleted: as above while the data stays; refused when it is deleted with its data;
+- never existed (or its record is gone): refused.
+
 Injection happens on CREATE only (a pod's containers cannot change afterwards) and once: a
 pod that already has the ``kernelcache`` init-container gets an empty patch. A pod that
 mounts the cache's claim writable itself is refused: only the compile Job writes the cache.
@@ -48,17 +60,22 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import yaml
 
 from kernelcache import contract, nodemap
 from kernelcache.contract import ANNOTATION_CONTAINERS, ANNOTATION_IMAGE_POLICY, LABEL_CACHE
 from kernelcache.controller.config import OperatorConfig
-from kernelcache.controller.kube import ApiError, kernelcache_path
+from kernelcache.controller.kube import ApiError, kernelcache_path, path
 from kernelcache.controller.manifests import (
+    KEPT_FILE,
     SIGNING_DIR,
     TERMINATION_LOG,
     claim_name,
     image_of,
+    record_name,
 )
 from kernelcache.errors import SpecError
 from kernelcache.images import InvalidImageReference, parse_image, same_image
@@ -99,13 +116,22 @@ def _pod_ref(pod: dict[str, Any]) -> tuple[str, str]:
     return meta.get("namespace") or "", meta.get("name") or meta.get("generateName") or "?"
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A KernelCache deleted with its data kept: its last spec, from its published record."""
+
+    record: dict[str, Any]  # the ConfigMap, which the Warning event is posted on
+    document: dict[str, Any]  # the KernelCache as the finalizer kept it
+
+
 def lookup(
     pod: dict[str, Any], get: Callable[[str], dict[str, Any]], operation: str = "CREATE"
-) -> dict[str, Any] | None:
-    """The KernelCache a pod needs injected, read with ``get`` (a GET by API path).
+) -> dict[str, Any] | Kept | None:
+    """The KernelCache a pod needs injected, read with ``get`` (a GET by API path); when it
+    does not exist, what its finalizer kept of it (``Kept``).
 
-    None when there is nothing to read: not a CREATE, no label, already injected, or the
-    KernelCache does not exist (which ``mutate_pod`` then refuses).
+    None when there is nothing to read: not a CREATE, no label, already injected, or neither
+    the KernelCache nor a kept spec exists (which ``mutate_pod`` then refuses).
     """
     name = cache_name(pod)
     namespace, _ = _pod_ref(pod)
@@ -114,9 +140,19 @@ def lookup(
     try:
         return get(kernelcache_path(namespace, name))
     except ApiError as exc:
+        if exc.status != 404:
+            raise Denied(f"cannot read KernelCache {namespace}/{name}: {exc}") from None
+    try:
+        record = get(path("v1", "configmaps", namespace, record_name(name)))
+    except ApiError as exc:
         if exc.status == 404:
             return None
-        raise Denied(f"cannot read KernelCache {namespace}/{name}: {exc}") from None
+        raise Denied(f"cannot read ConfigMap {namespace}/{record_name(name)}: {exc}") from None
+    try:
+        document = yaml.safe_load((record.get("data") or {}).get(KEPT_FILE) or "")
+    except yaml.YAMLError:
+        document = None
+    return Kept(record, document) if isinstance(document, dict) else None
 
 
 def _annotations(obj: dict[str, Any]) -> dict[str, str]:
@@ -299,7 +335,7 @@ def _append(ops: Patch, obj: dict[str, Any], path: str, key: str, items: list[An
 
 def mutate_pod(
     pod: dict[str, Any],
-    kernelcache: dict[str, Any] | None,
+    kernelcache: dict[str, Any] | Kept | None,
     config: OperatorConfig,
     *,
     operation: str = "CREATE",
@@ -327,10 +363,13 @@ def mutate_pod(
         raise Denied(
             f"pod {where}: KernelCache {namespace}/{name} (label {LABEL_CACHE}) does not exist"
         )
+    document = kernelcache.document if isinstance(kernelcache, Kept) else kernelcache
     try:
-        kc = parse_kernelcache(kernelcache, f"KernelCache {namespace}/{name}")
+        kc = parse_kernelcache(document, f"KernelCache {namespace}/{name}")
     except SpecError as exc:
         raise Denied(exc.message) from None
+    if (notice := _life_cycle(kernelcache, kc, where)) and warnings is not None:
+        warnings.append(notice)  # the first one: main also posts it as a Warning event
 
     spec = pod.get("spec") or {}
     serving = _serving(pod, where)
@@ -361,6 +400,36 @@ def mutate_pod(
         )
         _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount, *vllm_mounts(kc)])
     return ops
+
+
+def life_cycle_object(kernelcache: dict[str, Any] | Kept | None) -> dict[str, Any] | None:
+    """What a pod's deleted or deleting KernelCache's Warning event is posted on: the record
+    of a deleted one, the KernelCache being deleted; None for a live one."""
+    if isinstance(kernelcache, Kept):
+        return kernelcache.record
+    if kernelcache and (kernelcache.get("metadata") or {}).get("deletionTimestamp"):
+        return kernelcache
+    return None
+
+
+def _life_cycle(kernelcache: dict[str, Any] | Kept, kc: KernelCache, where: str) -> str | None:
+    """The warning for a pod of a KernelCache that is deleted or being deleted with its data
+    kept; ``Denied`` when its data is being deleted (the pod would load nothing)."""
+    ref = f"KernelCache {kc.metadata.namespace}/{kc.metadata.name}"
+    record = record_name(kc)
+    if isinstance(kernelcache, Kept):
+        return (
+            f"pod {where}: {ref} was deleted; the pod loads its kept generations until "
+            f"ConfigMap {record} or the data is deleted"
+        )
+    if not (kernelcache.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    if kc.spec.retention.delete_data_on_delete:
+        raise Denied(
+            f"pod {where}: {ref} is being deleted with its data "
+            "(retention.deleteDataOnDelete); there is nothing for the pod to load"
+        )
+    return f"pod {where}: {ref} is being deleted; the pod loads its kept generations"
 
 
 def apply_ops(obj: dict[str, Any], ops: Patch) -> dict[str, Any]:

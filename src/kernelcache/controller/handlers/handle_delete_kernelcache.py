@@ -4,7 +4,9 @@ Compile Jobs are deleted (their pods with them) so nothing keeps writing for a K
 that is gone. With ``retention.deleteDataOnDelete`` the cached generations go too: a claim
 the operator created is deleted whole; from an existing claim, a cleanup Job removes the
 KernelCache's directory once no compile pod is left to write into it. Without it, the data
-and the claim stay, for a KernelCache of the same name to find again.
+and the claim stay, for a KernelCache of the same name to find again, and the spec is kept
+in the published record: new pods labelled for the name still load the kept generations
+(with a Warning event), until the record or the data is deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from kernelcache.controller import manifests, metrics, state
 from kernelcache.controller.config import OperatorConfig
-from kernelcache.controller.kube import Kube, jobs_path, path
+from kernelcache.controller.kube import ApiError, Kube, jobs_path, path
 from kernelcache.errors import SpecError
 from kernelcache.spec import parse_kernelcache
 
@@ -45,7 +47,18 @@ def delete_kernelcache(kube: Kube, config: OperatorConfig, body: dict[str, Any])
     except SpecError:
         return Deleted(Cleanup.DONE, f"{stopped}; the spec is invalid, so the data is kept")
     if not kc.spec.retention.delete_data_on_delete:
-        return Deleted(Cleanup.DONE, f"{stopped}; the cached data is kept")
+        record = path("v1", "configmaps", namespace, manifests.record_name(kc))
+        try:
+            kube.patch(record, {"data": manifests.kept_data(kc)})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            return Deleted(Cleanup.DONE, f"{stopped}; nothing was published")
+        return Deleted(
+            Cleanup.DONE,
+            f"{stopped}; the cached data is kept and new pods labelled {name} load it, until "
+            f"ConfigMap {manifests.record_name(kc)} or the data is deleted",
+        )
     claim = manifests.claim_name(kc)
     kube.delete(path("v1", "configmaps", namespace, manifests.record_name(kc)))
     if kc.spec.storage.pvc is not None:

@@ -132,12 +132,14 @@ def _reconcile_once(
     for arch in kc.spec.arches():
         arch_jobs = current.get(arch, [])
         job = state.newest(arch_jobs)
-        result = None
+        result, stuck = None, None
         if job is not None and state.needs_result(job, before.get(arch), previous_current):
             pods = kube.list(path("v1", "pods", namespace), manifests.pod_selector(job))
             result = state.termination_result(pods)
+        elif job is not None and state.may_be_stuck(job):
+            stuck = _stuck(kube, namespace, job)
         plan = state.plan_arch(
-            arch, arch_jobs, before.get(arch), previous_current, result, policy, now
+            arch, arch_jobs, before.get(arch), previous_current, result, policy, now, stuck
         )
         if plan.create_attempt is not None:
             if not prepared:  # what Jobs mount; made only when one is due (steady state: no writes)
@@ -162,6 +164,20 @@ def _reconcile_once(
     return reconciled
 
 
+def _stuck(kube: Kube, namespace: str, job: dict[str, Any]) -> str | None:
+    """Why an unfinished Job's pod cannot start (``state.pod_stuck``); the pod's events are
+    read only when its status does not say (a volume that cannot be mounted)."""
+    pods = kube.list(path("v1", "pods", namespace), manifests.pod_selector(job))
+    stuck = state.pod_stuck(pods)
+    pending = [p for p in pods if (p.get("status") or {}).get("phase", "Pending") == "Pending"]
+    if stuck is not None or not pending:
+        return stuck
+    newest = max(pending, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+    query = {"fieldSelector": f"involvedObject.name={newest['metadata']['name']}"}
+    events = kube.request("GET", path("v1", "events", namespace), query=query).get("items")
+    return state.pod_stuck(pods, events or [])
+
+
 def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
     """The arches an earlier KernelCache of this name published to this claim, by its record."""
     try:
@@ -181,7 +197,9 @@ def _record(kube: Kube, kc: KernelCache, uid: str, arches: dict[str, Any]) -> No
     record = manifests.published_record(kc, uid, arches)
     if not kube.create(path("v1", "configmaps", kc.metadata.namespace), record):
         name = record["metadata"]["name"]
-        kube.patch(path("v1", "configmaps", kc.metadata.namespace, name), {"data": record["data"]})
+        # A namesake's kept spec goes: this KernelCache exists, and the webhook reads it.
+        data = {**record["data"], manifests.KEPT_FILE: None}
+        kube.patch(path("v1", "configmaps", kc.metadata.namespace, name), {"data": data})
 
 
 def _prepare(kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str) -> None:
@@ -213,7 +231,7 @@ def _write(
                 "status": state.normalized(status),
             },
         )
-        events.extend(state.transitions(previous, status))
+        events.extend(state.transitions(previous, status, plans))
         _observe_finished_jobs(previous, plans)
     key = f"{meta['namespace']}/{meta['name']}"
     metrics.set_phase(key, status["phase"])
