@@ -29,7 +29,7 @@ import yaml
 
 from kernelcache.errors import ColdCompileError, error_line
 from kernelcache.store import Store, manifest_checksum
-from tests.conftest import EXAMPLES, REPO, kernelcache_doc, run_kernelcache
+from tests.conftest import EXAMPLES, REPO, kernelcache_doc, publish_files, run_kernelcache
 from tests.helpers import generations
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -328,6 +328,17 @@ def cannot_write_the_store(tmp: Path) -> str:
         shutil.rmtree(root)
 
 
+def flashinfer_module_missing(tmp: Path) -> str:
+    """A generation whose warm recorded two FlashInfer modules, one of them left out."""
+    store = tmp / "store"
+    files = {"flashinfer/aot/sampling/sampling.so": b"\x7fELF"}
+    report = {
+        "warmers": [{"warmer": "vllm m", "flashinfer_modules": ["batch_prefill_x", "sampling"]}]
+    }
+    publish_files(Store(store), KEY, files, generations.make_stamp(), report)
+    return verify(store, *H200, "--materialize", str(tmp / "pod"), code=10)
+
+
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
@@ -358,6 +369,7 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "spec.warmers[0] (command <program>) ran past timeoutSeconds=<seconds> for sm_90a": ran_past_timeout,  # noqa: E501
     "kernelcache: error: sm_90a: <reason>": build_failed,
     "kernelcache: error: <what>": no_store,
+    "kernelcache: error: …: FlashInfer module batch_prefill_… that the warm loaded is not in the generation (flashinfer/aot/…/….so): FlashInfer with JIT disabled would fail the first request needing it; rebuild the generation": flashinfer_module_missing,  # noqa: E501
     "cute-dsl: cold compile of my_kernels:gemm in strict mode (not in the cache at …)": cold_compile,  # noqa: E501
 }  # fmt: skip
 

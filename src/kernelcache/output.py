@@ -56,20 +56,65 @@ def table(
     right: Collection[str] = (),
 ) -> Any:
     """A rich table whose ``whole`` columns (what a reader looks a row up by: a key, an
-    arch, a status) are never cut or wrapped; at any width the other columns wrap instead."""
-    from rich.table import Table
+    arch, a status) are never cut or wrapped; the other columns wrap instead. Where the
+    width leaves the others too little room to be read, each row is printed as a record:
+    its whole columns on one line, the others below as ``name: value``."""
+    return _Table(title, columns, rows, whole, right)
 
-    t = Table(title=title)
-    for i, name in enumerate(columns):
-        justify: Literal["left", "right"] = "right" if name in right else "left"
-        if name in whole:
-            width = max([len(name), *(len(row[i]) for row in rows)])
-            t.add_column(name, justify=justify, no_wrap=True, min_width=width)
-        else:
-            t.add_column(name, justify=justify, overflow="fold")
-    for row in rows:
-        t.add_row(*row)
-    return t
+
+# The fewest characters a wrapping column gets before the table gives way to records.
+NARROWEST_WRAPPED = 8
+
+
+class _Table:
+    """Chooses the layout at render time, when the console's width is known."""
+
+    def __init__(
+        self,
+        title: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        whole: Collection[str],
+        right: Collection[str],
+    ) -> None:
+        self.title, self.columns, self.rows = title, columns, rows
+        self.whole, self.right = whole, right
+
+    def _width(self, i: int) -> int:
+        return max([len(self.columns[i]), *(len(row[i]) for row in self.rows)])
+
+    def _needed(self) -> int:
+        """Characters the table needs: whole columns in full, the others at their narrowest,
+        and each cell's border and padding."""
+        return 1 + sum(
+            3 + (self._width(i) if name in self.whole else min(self._width(i), NARROWEST_WRAPPED))
+            for i, name in enumerate(self.columns)
+        )
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.table import Table
+        from rich.text import Text
+
+        if self._needed() <= options.max_width:
+            t = Table(title=self.title)
+            for i, name in enumerate(self.columns):
+                justify: Literal["left", "right"] = "right" if name in self.right else "left"
+                if name in self.whole:
+                    width = self._width(i)
+                    t.add_column(name, justify=justify, no_wrap=True, min_width=width)
+                else:
+                    t.add_column(name, justify=justify, overflow="fold")
+            for row in self.rows:
+                t.add_row(*row)
+            yield t
+            return
+        yield Text(self.title)
+        for row in self.rows:
+            cells = list(zip(self.columns, row, strict=True))
+            yield Text("  ".join(v for name, v in cells if name in self.whole and v))
+            for name, value in cells:
+                if name not in self.whole and value:
+                    yield Text(f"    {name}: {value}", overflow="fold")
 
 
 def print_json(payload: Any) -> None:
