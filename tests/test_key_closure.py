@@ -179,13 +179,14 @@ t = make_fake_compact_tensor(cutlass.Float32, (128, 128), stride_order=(1, 0), a
 
 
 def attempt():
-    cache = layer.CuteDiskCache(root, strict=mode != "warm")
+    cache = layer.CuteDiskCache(root, strict=mode not in ("warm", "permissive"))
     try:
         cache.compile(kernel.scale, t, t)
     except ColdCompileError as exc:
         return {"outcome": "refused", "message": str(exc)}
     unobserved = sorted(getattr(cache.stats, "unobserved", {}))
-    return {"outcome": "hit" if cache.stats.hits else "compiled", "unobserved": unobserved}
+    outcome = "hit" if cache.stats.hits else "compiled"
+    return {"outcome": outcome, "unobserved": unobserved, "stale": getattr(cache.stats, "stale", 0)}
 
 
 if mode != "check":
@@ -728,6 +729,24 @@ def test_strict_serving_refuses_a_stale_kernel_naming_the_file(world, change, en
         answer = world.run("serve", **env)
     assert answer["outcome"] == "refused", answer
     assert names in answer["message"] and "is stale" in answer["message"], answer
+
+
+def test_permissive_serving_compiles_a_stale_kernel_and_counts_it(world, tmp_path):
+    generation = tmp_path / "cute-dsl"
+    shutil.copytree(world.root, generation)
+    with replaced(world.package / "tiles.json", '{"value": 2}\n'):
+        proc = subprocess.run(
+            world.worker("permissive", generation),
+            env=world.env,
+            cwd=world.work,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (answer["outcome"], answer["stale"]) == ("compiled", 1), answer
+    assert "is stale" in proc.stderr and "tiles.json" in proc.stderr
 
 
 def test_an_option_that_looks_like_a_path_is_a_setting(world):

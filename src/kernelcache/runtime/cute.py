@@ -270,10 +270,12 @@ class CuteDiskCache:
         with self._lock_for(key):
             if key in self._memory:
                 return self._memory[key]
-            compiled = self._load(key, factors)
+            with observe.unobserved_block():  # the layer's own files, not the kernel's
+                compiled = self._load(key, factors)
             if compiled is None:
                 compiled = self._compile_now(fn, args, kwargs, options, factors=factors)
-                self._persist(key, factors, compiled)
+                with observe.unobserved_block():
+                    self._persist(key, factors, compiled)
             self._memory[key] = compiled
             return compiled
 

@@ -220,8 +220,33 @@ def record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> dic
         return _record(exclude, kernel_module)
 
 
+_last: list[Any] = [None, None]  # (what the process had read, the record of it)
+
+
 def _record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> dict[str, Any]:
+    """The record, taken again only when the process read something new since the last one:
+    kernels compiled one after another mostly share theirs."""
     roots = (*_seen.exclude, *(os.path.realpath(p) for p in exclude))
+    mapped = _mapped_files()
+    state = (
+        roots,
+        kernel_module in _seen.modules_at_start,
+        hash(tuple(map(id, sys.modules.values()))),
+        len(_seen.opened),
+        len(_seen.written),
+        len(_seen.absent),
+        sum(map(len, _seen.env.values())),
+        len(_seen.unobserved),
+        len(_seen.bulk),
+        len(mapped),
+        _path_entries(),
+    )
+    if _last[0] != state:
+        _last[:] = [state, _take(roots, kernel_module, mapped)]
+    return dict(_last[1])
+
+
+def _take(roots: tuple[str, ...], kernel_module: str, mapped: set[str]) -> dict[str, Any]:
     notes = dict(_seen.unobserved)
     if not _seen.started:
         notes["everything read before the compile: observation was not started"] = None
@@ -236,23 +261,26 @@ def _record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> di
     modules = _modules(roots)
     module_files = {path for path, _ in modules.values() if path}
     files: dict[str, str] = {}
-    candidates = {**_seen.opened, **dict.fromkeys(_mapped_files() - _seen.maps_at_start)}
+    file_paths: list[str] = []
+    candidates = {**_seen.opened, **dict.fromkeys(mapped - _seen.maps_at_start)}
     for opened, relative in candidates.items():
         path = _realpath(opened)
         if path in module_files or opened in _seen.written or _left_out(path, roots):
             continue
-        if not os.path.isfile(path) or _is_cached_bytecode(path):
+        if _is_cached_bytecode(path) or not os.path.isfile(path):
             continue
         files[_locator(path, relative)] = _identity(path)
-    identities = [*(identity for _, identity in modules.values()), *files.values()]
-    pth = {_locator(path, None): _identity(path) for path in _pth_files()}
+        file_paths.append(path)
+    pth_files = _pth_files()
+    pth = {_locator(path, None): file_digest(path) for path in pth_files}  # a few lines each
+    owned = [*module_files, *file_paths]
     return {
         "format": FORMAT,
         "python": sys.version,
         "modules": {name: identity for name, (_, identity) in sorted(modules.items())},
         "files": dict(sorted(files.items())),
         "pth": pth,
-        "dists": _dists([*identities, *pth.values()]),
+        "dists": _dists(path for path in owned if os.path.isfile(path)),
         "env": _environment(),
         "unobserved": sorted(notes),
     }
@@ -271,11 +299,13 @@ def _modules(roots: tuple[str, ...]) -> dict[str, tuple[str | None, str]]:
     for name, module in list(sys.modules.items()):
         if module is None or name == "__main__" or _own(name):
             continue
-        path, kind = _module_file(module)
-        if path is None:
-            found[name] = (None, kind)
-        elif not _left_out(path, roots):
-            found[name] = (path, _identity(path))
+        seen = _module_entries.get(name)
+        if seen is None or seen[0] is not module:  # a module's file is read once, at import
+            path, kind = _module_file(module)
+            seen = _module_entries[name] = (module, path, kind or _identity(str(path)))
+        _, path, identity = seen
+        if path is None or not _left_out(path, roots):
+            found[name] = (path, identity)
     for name in [*_seen.absent, *_SITE_HOOKS]:
         top = name.partition(".")[0]
         if name in found or _own(name) or top in sys.stdlib_module_names:
@@ -283,6 +313,9 @@ def _modules(roots: tuple[str, ...]) -> dict[str, tuple[str | None, str]]:
         if top not in found or not found[top][1].startswith(("dist ", "python ")):
             found[top if top not in found else name] = (None, "absent")
     return found
+
+
+_module_entries: dict[str, tuple[ModuleType, str | None, str]] = {}
 
 
 def _own(name: str) -> bool:
@@ -311,11 +344,18 @@ _real: dict[str, str] = {}
 
 
 def _realpath(path: str) -> str:
-    """``os.path.realpath``, once per path: a record is taken after every compile."""
+    """The path with its directory resolved (each directory once: a record names hundreds
+    of files in a few); a file that is itself a link keeps its name, on both sides alike."""
     found = _real.get(path)
     if found is None:
-        found = _real[path] = os.path.realpath(path)
+        directory, name = os.path.split(os.path.abspath(path))
+        found = _real[path] = os.path.join(_real_directory(directory), name)
     return found
+
+
+@cache
+def _real_directory(directory: str) -> str:
+    return os.path.realpath(directory)
 
 
 def _left_out(path: str, roots: tuple[str, ...]) -> bool:
@@ -324,6 +364,7 @@ def _left_out(path: str, roots: tuple[str, ...]) -> bool:
     )
 
 
+@cache
 def _is_cached_bytecode(path: str) -> bool:
     """A ``__pycache__`` file beside its source: the source is what is recorded."""
     directory, name = os.path.split(path)
@@ -426,7 +467,7 @@ def _identity(path: str) -> str:
     if found is None:
         row = _installed_row(path)
         if row is not None:
-            name, record_hash = row
+            name, record_hash, _ = row
             locator = _locator(path, None)
             found = f"dist {name} {record_hash} {st.st_size} {st.st_mtime_ns} {locator}"
         elif _in_python(path):
@@ -478,13 +519,21 @@ def _in_python(path: str) -> bool:
     return path.startswith(_python_roots())
 
 
-def _installed_row(path: str) -> tuple[str, str] | None:
-    """(distribution, RECORD hash) when an installed distribution's RECORD lists ``path``."""
+@cache
+def _installed_row(path: str) -> tuple[str, str, str] | None:
+    """(distribution, RECORD hash, its .dist-info) when an installed distribution's RECORD
+    lists ``path``."""
     directory = os.path.dirname(path)
     while True:
-        index = _site_index(directory)
-        if index is not None:
-            return index.get(os.path.relpath(path, directory).replace(os.sep, "/"))
+        infos = _site_infos(directory)
+        if infos:
+            relative = os.path.relpath(path, directory).replace(os.sep, "/")
+            top = relative.split("/")[0].partition(".")[0].lower().replace("-", "_")
+            for info in _likely_first(infos, top):
+                row = _record_rows(info).get(relative)
+                if row is not None:
+                    return _dist_name(info), row, info
+            return None
         parent = os.path.dirname(directory)
         if parent == directory:
             return None
@@ -492,28 +541,51 @@ def _installed_row(path: str) -> tuple[str, str] | None:
 
 
 @cache
-def _site_index(directory: str) -> dict[str, tuple[str, str]] | None:
-    """relative path -> (distribution, RECORD hash) for every RECORD of a site directory;
-    None for a directory that holds no distribution."""
+def _site_infos(directory: str) -> tuple[str, ...]:
+    """The ``.dist-info`` folders of a directory: none unless it is a site directory."""
     try:
-        infos = sorted(e.path for e in os.scandir(directory) if e.name.endswith(".dist-info"))
+        return tuple(sorted(e.path for e in os.scandir(directory) if e.name.endswith(".dist-info")))
     except OSError:
-        return None
-    if not infos:
-        return None
-    index: dict[str, tuple[str, str]] = {}
-    for info in infos:
-        name = _dist_name(info)
-        try:
-            with open(os.path.join(info, "RECORD"), encoding="utf-8") as file:
-                text = file.read()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            relative, _, rest = line.rpartition(",")[0].rpartition(",")
-            if relative and rest:  # rows without a hash (bytecode, RECORD) own nothing
-                index[relative.strip('"')] = (name, rest)
-    return index
+        return ()
+
+
+@cache
+def _likely_first(infos: tuple[str, ...], top: str) -> list[str]:
+    """The distributions named like the file's top folder first: RECORDs are read only as
+    they are needed (a serving image holds hundreds, torch's alone 15,000 rows)."""
+
+    def named_like(info: str) -> bool:
+        name = os.path.basename(info).partition("-")[0].lower()
+        return (bool(name) and (top.startswith(name) or name.startswith(top))) or top in _tops(info)
+
+    return sorted(infos, key=lambda info: not named_like(info))
+
+
+@cache
+def _tops(info: str) -> frozenset[str]:
+    """The import names a distribution says it installs (``top_level.txt``, where there is one:
+    ``yaml`` is PyYAML's)."""
+    try:
+        with open(os.path.join(info, "top_level.txt"), encoding="utf-8") as file:
+            return frozenset(line.strip().lower() for line in file if line.strip())
+    except OSError:
+        return frozenset()
+
+
+@cache
+def _record_rows(info: str) -> dict[str, str]:
+    """relative path -> RECORD hash of one distribution; rows without one own nothing."""
+    rows: dict[str, str] = {}
+    try:
+        with open(os.path.join(info, "RECORD"), encoding="utf-8") as file:
+            text = file.read()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        parts = line.rsplit(",", 2)
+        if len(parts) == 3 and parts[1]:
+            rows[parts[0].strip('"')] = parts[1]
+    return rows
 
 
 def _dist_name(info: str) -> str:
@@ -521,22 +593,38 @@ def _dist_name(info: str) -> str:
     return stem.lower().replace("_", "-").replace(".", "-")
 
 
-def _dists(identities: Iterable[str]) -> dict[str, str]:
-    """``name -> version record=<digest>`` of every distribution a recorded file belongs to."""
-    names = {identity.split()[1] for identity in identities if identity.startswith("dist ")}
-    return {name: _distribution_factor(name) for name in sorted(names)}
+def _dists(paths: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The distributions recorded files belong to: ``name -> {factor: version record=<digest>,
+    record: where its RECORD is, stat: its size and mtime}`` (a serving process reads the
+    RECORD again only when those differ)."""
+    infos = {row[2] for row in map(_installed_row, paths) if row is not None}
+    found = {}
+    for info in sorted(infos):
+        record = os.path.join(info, "RECORD")
+        st = os.stat(record)
+        found[_dist_name(info)] = {
+            "factor": _info_factor(info),
+            "record": _locator(record, None),
+            "stat": [st.st_size, st.st_mtime_ns],
+        }
+    return found
 
 
-_factors: dict[str, str] = {}
+@cache
+def _info_factor(info: str) -> str:
+    """``stamp.distribution_factor`` of the distribution at ``info``."""
+    from importlib.metadata import PathDistribution
 
+    from kernelcache.stamp import record_digest
 
-def _distribution_factor(name: str) -> str:
-    """``stamp.distribution_factor``, once per process: installs do not change under it."""
-    from kernelcache.stamp import distribution_factor
-
-    if name not in _factors:
-        _factors[name] = distribution_factor(name)
-    return _factors[name]
+    version = ""
+    with open(os.path.join(info, "METADATA"), encoding="utf-8") as metadata:
+        for line in metadata:  # the header only: a METADATA body can be a whole README
+            if not line.strip():
+                break
+            if line.startswith("Version:"):
+                version = line.partition(":")[2].strip()
+    return f"{version} record={record_digest(PathDistribution(Path(info)))}"
 
 
 _entries_memo: tuple[tuple[Any, ...], tuple[str, ...]] = ((), ())
@@ -559,6 +647,17 @@ def _locator(path: str, relative: str | None) -> str:
     if relative is not None and not relative.startswith(".."):
         return "cwd:" + relative
     entries = _path_entries()
+    key = (path, entries)
+    found = _locators.get(key)
+    if found is None:
+        found = _locators[key] = _locate(path, entries)
+    return found
+
+
+_locators: dict[tuple[str, tuple[str, ...]], str] = {}
+
+
+def _locate(path: str, entries: tuple[str, ...]) -> str:
     for depth, entry in enumerate(entries):
         if path.startswith(entry + os.sep):
             rel = path[len(entry) + 1 :]
@@ -627,19 +726,25 @@ class Checker:
         return _pth_problem(observed["pth"])
 
     def _entry(self, kind: str, key: str, identity: Any) -> str | None:
-        memo = (kind, key, json.dumps(identity, sort_keys=True))
+        shown = identity if isinstance(identity, str) else json.dumps(identity, sort_keys=True)
+        memo = (kind, key, shown)
         if memo not in self._entries:
             self._entries[memo] = _CHECKS[kind](key, identity)
         return self._entries[memo]
 
 
-def _check_dist(name: str, factor: str) -> str | None:
+def _check_dist(name: str, recorded: dict[str, Any]) -> str | None:
+    record = _resolve(recorded["record"])
+    if record is not None:
+        st = os.stat(record)
+        if [st.st_size, st.st_mtime_ns] == recorded["stat"]:
+            return None  # its RECORD as it was: the same install
     from kernelcache.stamp import distribution_factor
 
     here = distribution_factor(name)
-    if here == factor:
+    if here == recorded["factor"]:
         return None
-    return f"distribution {name} is {here}, it was compiled with {factor}"
+    return f"distribution {name} is {here}, it was compiled with {recorded['factor']}"
 
 
 def _check_env(name: str, recorded: Any) -> str | None:
@@ -658,12 +763,12 @@ def _shown(value: Any) -> str:
 
 
 def _check_module(name: str, recorded: str) -> str | None:
-    from kernelcache.sources import find_spec_without_import
-
     module = sys.modules.get(name)
     if module is not None:
         path, kind = _module_file(module)
     else:
+        from kernelcache.sources import find_spec_without_import
+
         try:
             spec = find_spec_without_import(name)
         except (ImportError, ValueError):
@@ -714,7 +819,7 @@ def _same(path: str, recorded: str) -> bool:
     words = recorded.split()
     if words[0] == "dist":  # dist <name> <hash> <size> <mtime_ns> <locator>
         st = os.stat(path)
-        if _locator(path, None) != words[5]:
+        if not _found_as(path, words[5]):
             return False
         if (str(st.st_size), str(st.st_mtime_ns)) == (words[3], words[4]):
             return True
@@ -725,6 +830,15 @@ def _same(path: str, recorded: str) -> bool:
             path
         ) == words[1]
     return file_digest(path) == recorded
+
+
+def _found_as(path: str, locator: str) -> bool:
+    """Whether ``path`` is where ``locator`` points under some ``sys.path`` entry (a module's
+    file, as the import system found it), without asking the file system."""
+    kind, _, rest = locator.partition(":")
+    if kind != "pypath":
+        return path == locator
+    return path.endswith(os.sep + rest) and path[: -len(rest) - 1] in _path_entries()
 
 
 def _pth_problem(recorded: dict[str, str]) -> str | None:

@@ -1,0 +1,196 @@
+"""What observing a kernel's compile costs: at warm, and when serving checks the record.
+
+Side by side in one run, each phase a fresh process over the example CuTe-DSL kernels
+(``examples/demo_kernels.py``, the serving example's workload), compiled on the CPU for
+``--arch``:
+
+- warm, observed: every kernel compiled through the disk layer, as the warmer does
+  (``observe.start()`` before the kernels' module is imported, a record after each compile);
+  the time spent taking records is measured in the process;
+- warm, unobserved: the same with observation switched off in the child (its hooks and
+  records replaced by no-ops): the difference in wall time is the whole cost, hooks included;
+- serve: a strict process loads every kernel from the observed warm's directory; the time
+  the record check takes per kernel is measured in the process (the first kernel pays for
+  reading the records' files once);
+- trace: the alternative mechanism, keying the disk layer by the DSL's traced IR, needs a
+  trace before every lookup; ``CUTE_DSL_DRYRUN=1`` makes ``cute.compile`` stop after tracing,
+  so this is what that mechanism would cost a serving process per kernel.
+
+Targets (issue 22): observation at warm <= 5 % of warm time; the serving check <= 1 ms per
+kernel.
+
+    python bench/observe_cost.py [--arch sm_90a] [--pairs 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD = {
+    "sizes": [[128, 256], [1024, 1024]],
+    "dtypes": ["float32", "float16"],
+    "tiles": [[32, 32], [64, 64]],
+}
+WARM_TARGET, CHECK_TARGET_MS = 0.05, 1.0
+
+
+def child(phase: str, root: str) -> None:
+    """One fresh process of ``phase``; prints its measurements as one JSON line."""
+    start = time.perf_counter()
+    from kernelcache.runtime import cute as layer
+    from kernelcache.runtime import observe
+
+    spent = {"record": 0.0, "check": 0.0, "first_check": None}
+    if phase == "unobserved":
+        observe.start = lambda *_, **__: None  # type: ignore[assignment]
+        observe.record = lambda *_, **__: {"unobserved": []}  # type: ignore[assignment]
+    else:
+        record, check = observe.record, observe.Checker.check
+
+        def timed_record(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return record(*args, **kwargs)
+            finally:
+                spent["record"] += time.perf_counter() - t0
+
+        def timed_check(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return check(self, *args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - t0
+                spent["check"] += seconds
+                if spent["first_check"] is None:
+                    spent["first_check"] = seconds
+
+        observe.record = timed_record  # type: ignore[assignment]
+        observe.Checker.check = timed_check  # type: ignore[method-assign]
+    layer.install()
+    sys.path.insert(0, str(REPO / "examples"))
+    import demo_kernels
+
+    cache = layer.CuteDiskCache(root, strict=phase == "serve")
+    kernels = 0
+    trace_seconds = []
+    for _, fn, args in demo_kernels.specializations(WORKLOAD):
+        t0 = time.perf_counter()
+        if phase == "trace":
+            layer._original_compile(fn, *args)  # the DSL stops after tracing (DRYRUN)
+        else:
+            cache.compile(fn, *args)
+        trace_seconds.append(time.perf_counter() - t0)
+        kernels += 1
+    print(
+        json.dumps(
+            {
+                "phase": phase,
+                "kernels": kernels,
+                "hits": cache.stats.hits,
+                "misses": cache.stats.misses,
+                "process_seconds": time.perf_counter() - start,
+                "record_seconds": spent["record"],
+                "check_seconds": spent["check"],
+                "first_check_seconds": spent["first_check"],
+                "per_kernel_seconds": trace_seconds,
+            }
+        )
+    )
+
+
+def run(phase: str, root: Path, arch: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KERNELCACHE_", "CUTE_DSL_"))}
+    env.update(
+        CUTE_DSL_ARCH=arch,
+        PYTHONPATH=os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]),
+    )
+    if phase == "trace":
+        env["CUTE_DSL_DRYRUN"] = "1"
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", phase, str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if proc.returncode != 0:
+        sys.exit(f"observe_cost: the {phase} process failed:\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_seconds"] = time.perf_counter() - start
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--pairs", type=int, default=3, help="observed/unobserved warm pairs")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kc-observe-") as tmp:
+        observed, unobserved = [], []
+        for pair in range(args.pairs):  # alternate, so drift on a shared machine hits both
+            observed.append(run("observed", Path(tmp) / f"observed-{pair}", args.arch))
+            unobserved.append(run("unobserved", Path(tmp) / f"unobserved-{pair}", args.arch))
+        served = run("serve", Path(tmp) / "observed-0", args.arch)
+        traced = run("trace", Path(tmp) / "trace", args.arch)
+    warm_on = statistics.median(r["wall_seconds"] for r in observed)
+    warm_off = statistics.median(r["wall_seconds"] for r in unobserved)
+    record = statistics.median(r["record_seconds"] for r in observed)
+    kernels = served["kernels"]
+    assert served["hits"] == kernels and served["misses"] == 0, served
+    check_ms = served["check_seconds"] / kernels * 1e3
+    trace_ms = statistics.median(traced["per_kernel_seconds"]) * 1e3
+    summary = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
+        "date": time.strftime("%Y-%m-%d"),
+        "arch": args.arch,
+        "kernels": kernels,
+        "warm_observed_s": warm_on,
+        "warm_unobserved_s": warm_off,
+        "warm_wall_overhead": (warm_on - warm_off) / warm_off,
+        "record_s": record,
+        "record_share_of_warm": record / warm_on,
+        "check_ms_per_kernel": check_ms,
+        "first_check_ms": served["first_check_seconds"] * 1e3,
+        "trace_ms_per_kernel": trace_ms,
+        "pairs": args.pairs,
+    }
+    print(f"{kernels} kernels, {args.arch}, {summary['machine']}, {summary['date']}")
+    print(f"  warm observed     {warm_on:7.2f} s  (median of {args.pairs})")
+    print(f"  warm unobserved   {warm_off:7.2f} s")
+    print(
+        f"  observation       {summary['warm_wall_overhead']:+7.1%} of warm wall time; "
+        f"records {record:.3f} s = {summary['record_share_of_warm']:.1%} (target <= 5 %)"
+    )
+    print(
+        f"  serving check     {check_ms:7.3f} ms per kernel, the first "
+        f"{summary['first_check_ms']:.2f} ms (target <= {CHECK_TARGET_MS} ms per kernel)"
+    )
+    print(f"  tracing (IR key)  {trace_ms:7.1f} ms per kernel, before every lookup")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    within = (
+        summary["record_share_of_warm"] <= WARM_TARGET
+        and summary["warm_wall_overhead"] <= WARM_TARGET
+        and check_ms <= CHECK_TARGET_MS
+    )
+    return 0 if within else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
