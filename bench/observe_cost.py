@@ -6,9 +6,11 @@ Side by side in one run, each phase a fresh process over the example CuTe-DSL ke
 
 - warm, observed: every kernel compiled through the disk layer, as the warmer does
   (``observe.start()`` before the kernels' module is imported, a record after each compile);
-  the time spent taking records is measured in the process;
+  the CPU time spent taking records is measured in the process;
 - warm, unobserved: the same with observation switched off in the child (its hooks and
-  records replaced by no-ops): the difference in wall time is the whole cost, hooks included;
+  records replaced by no-ops): the difference is the whole cost, hooks included. On a shared
+  2-core machine wall time swings with the neighbours, so CPU time (``process_time``) is the
+  figure compared; wall time is shown beside it;
 - serve: a strict process loads every kernel from the observed warm's directory; the time
   the record check takes per kernel is measured in the process (the first kernel pays for
   reading the records' files once);
@@ -31,6 +33,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +50,8 @@ WARM_TARGET, CHECK_TARGET_MS = 0.05, 1.0
 def child(phase: str, root: str) -> None:
     """One fresh process of ``phase``; prints its measurements as one JSON line."""
     start = time.perf_counter()
+    import kernelcache.settings
+    import kernelcache.stamp  # noqa: F401 - a warm's process (the build) has both imported
     from kernelcache.runtime import cute as layer
     from kernelcache.runtime import observe
 
@@ -58,18 +63,18 @@ def child(phase: str, root: str) -> None:
         record, check = observe.record, observe.Checker.check
 
         def timed_record(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return record(*args, **kwargs)
             finally:
-                spent["record"] += time.perf_counter() - t0
+                spent["record"] += time.process_time() - t0
 
         def timed_check(self, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return check(self, *args, **kwargs)
             finally:
-                seconds = time.perf_counter() - t0
+                seconds = time.process_time() - t0
                 spent["check"] += seconds
                 if spent["first_check"] is None:
                     spent["first_check"] = seconds
@@ -99,6 +104,7 @@ def child(phase: str, root: str) -> None:
                 "hits": cache.stats.hits,
                 "misses": cache.stats.misses,
                 "process_seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time(),
                 "record_seconds": spent["record"],
                 "check_seconds": spent["check"],
                 "first_check_seconds": spent["first_check"],
@@ -106,6 +112,27 @@ def child(phase: str, root: str) -> None:
             }
         )
     )
+
+
+def private_python(where: Path) -> Path:
+    """A virtual environment over this one whose ``.pth`` hooks are its own: a ``.pth`` another
+    program drops into the shared site-packages mid-run would (rightly) refuse every kernel."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    python = where / "bin" / "python"
+    site_dir = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(site_dir) / "_installed.pth").write_text(
+        f"{sysconfig.get_paths()['purelib']}\nimport os, sys, nvidia_cutlass_dsl; sys.path.insert("
+        "0, os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n"
+    )
+    return python
+
+
+PYTHON: list[Path] = []  # the private environment's interpreter, once made
 
 
 def run(phase: str, root: Path, arch: str) -> dict:
@@ -118,7 +145,7 @@ def run(phase: str, root: Path, arch: str) -> dict:
         env["CUTE_DSL_DRYRUN"] = "1"
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", phase, str(root)],
+        [str(PYTHON[0]), __file__, "--child", phase, str(root)],
         env=env,
         capture_output=True,
         text=True,
@@ -142,18 +169,25 @@ def main() -> int:
         child(*args.child)
         return 0
     with tempfile.TemporaryDirectory(prefix="kc-observe-") as tmp:
+        PYTHON.append(private_python(Path(tmp) / "venv"))
         observed, unobserved = [], []
         for pair in range(args.pairs):  # alternate, so drift on a shared machine hits both
             observed.append(run("observed", Path(tmp) / f"observed-{pair}", args.arch))
             unobserved.append(run("unobserved", Path(tmp) / f"unobserved-{pair}", args.arch))
-        served = run("serve", Path(tmp) / "observed-0", args.arch)
+        served = [run("serve", Path(tmp) / "observed-0", args.arch) for _ in range(args.pairs)]
         traced = run("trace", Path(tmp) / "trace", args.arch)
     warm_on = statistics.median(r["wall_seconds"] for r in observed)
     warm_off = statistics.median(r["wall_seconds"] for r in unobserved)
+    cpu_on = statistics.median(r["cpu_seconds"] for r in observed)
+    cpu_off = statistics.median(r["cpu_seconds"] for r in unobserved)
     record = statistics.median(r["record_seconds"] for r in observed)
-    kernels = served["kernels"]
-    assert served["hits"] == kernels and served["misses"] == 0, served
-    check_ms = served["check_seconds"] / kernels * 1e3
+    kernels = served[0]["kernels"]
+    assert all(r["hits"] == kernels and r["misses"] == 0 for r in served), served
+    check_ms = statistics.median(r["check_seconds"] for r in served) / kernels * 1e3
+    first_ms = statistics.median(r["first_check_seconds"] for r in served) * 1e3
+    later_us = statistics.median(
+        (r["check_seconds"] - r["first_check_seconds"]) / (kernels - 1) for r in served
+    )
     trace_ms = statistics.median(traced["per_kernel_seconds"]) * 1e3
     summary = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
@@ -163,30 +197,35 @@ def main() -> int:
         "warm_observed_s": warm_on,
         "warm_unobserved_s": warm_off,
         "warm_wall_overhead": (warm_on - warm_off) / warm_off,
-        "record_s": record,
-        "record_share_of_warm": record / warm_on,
+        "warm_cpu_observed_s": cpu_on,
+        "warm_cpu_unobserved_s": cpu_off,
+        "warm_cpu_overhead": (cpu_on - cpu_off) / cpu_off,
+        "record_cpu_s": record,
+        "record_share_of_warm_cpu": record / cpu_on,
         "check_ms_per_kernel": check_ms,
-        "first_check_ms": served["first_check_seconds"] * 1e3,
+        "first_check_ms": first_ms,
+        "later_check_us_per_kernel": later_us * 1e6,
         "trace_ms_per_kernel": trace_ms,
         "pairs": args.pairs,
     }
     print(f"{kernels} kernels, {args.arch}, {summary['machine']}, {summary['date']}")
-    print(f"  warm observed     {warm_on:7.2f} s  (median of {args.pairs})")
-    print(f"  warm unobserved   {warm_off:7.2f} s")
+    print(f"  warm observed     {warm_on:7.2f} s wall, {cpu_on:.2f} s CPU (median of {args.pairs})")
+    print(f"  warm unobserved   {warm_off:7.2f} s wall, {cpu_off:.2f} s CPU")
     print(
-        f"  observation       {summary['warm_wall_overhead']:+7.1%} of warm wall time; "
-        f"records {record:.3f} s = {summary['record_share_of_warm']:.1%} (target <= 5 %)"
+        f"  observation       {summary['warm_wall_overhead']:+7.1%} wall, "
+        f"{summary['warm_cpu_overhead']:+.1%} CPU; records {record:.3f} s CPU = "
+        f"{summary['record_share_of_warm_cpu']:.1%} of the warm (target <= 5 %)"
     )
     print(
-        f"  serving check     {check_ms:7.3f} ms per kernel, the first "
-        f"{summary['first_check_ms']:.2f} ms (target <= {CHECK_TARGET_MS} ms per kernel)"
+        f"  serving check     {check_ms:7.3f} ms per kernel (CPU): the first {first_ms:.2f} ms, "
+        f"each later one {later_us * 1e6:.1f} us (target <= {CHECK_TARGET_MS} ms per kernel)"
     )
     print(f"  tracing (IR key)  {trace_ms:7.1f} ms per kernel, before every lookup")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     within = (
-        summary["record_share_of_warm"] <= WARM_TARGET
-        and summary["warm_wall_overhead"] <= WARM_TARGET
+        summary["record_share_of_warm_cpu"] <= WARM_TARGET
+        and summary["warm_cpu_overhead"] <= WARM_TARGET
         and check_ms <= CHECK_TARGET_MS
     )
     return 0 if within else 1

@@ -42,7 +42,7 @@ import site
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -214,7 +214,8 @@ def unobserved() -> list[str]:
 def record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> dict[str, Any]:
     """What the process has read up to now that can decide a kernel compiled in it.
 
-    ``exclude`` names directories whose files are the compile's outputs (the generation).
+    ``exclude`` names directories whose files are the compile's outputs (the generation). The
+    record is shared with later calls that read nothing new: not to be changed.
     """
     with unobserved_block():
         return _record(exclude, kernel_module)
@@ -231,7 +232,7 @@ def _record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> di
     state = (
         roots,
         kernel_module in _seen.modules_at_start,
-        hash(tuple(map(id, sys.modules.values()))),
+        hash(tuple(sys.modules.values())),  # not id(): each id() call is an audit event
         len(_seen.opened),
         len(_seen.written),
         len(_seen.absent),
@@ -243,7 +244,7 @@ def _record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> di
     )
     if _last[0] != state:
         _last[:] = [state, _take(roots, kernel_module, mapped)]
-    return dict(_last[1])
+    return _last[1]  # the same record: its digest is computed once
 
 
 def _take(roots: tuple[str, ...], kernel_module: str, mapped: set[str]) -> dict[str, Any]:
@@ -287,9 +288,14 @@ def _take(roots: tuple[str, ...], kernel_module: str, mapped: set[str]) -> dict[
 
 
 def digest(observed: dict[str, Any]) -> tuple[str, bytes]:
-    """(content address, canonical bytes) of a record."""
-    data = json.dumps(observed, sort_keys=True, separators=(",", ":")).encode()
-    return blake3.blake3(data).hexdigest()[:32], data
+    """(content address, canonical bytes) of a record; the last one's is kept."""
+    if _last_digest[0] is not observed:
+        data = json.dumps(observed, sort_keys=True, separators=(",", ":")).encode()
+        _last_digest[:] = [observed, (blake3.blake3(data).hexdigest()[:32], data)]
+    return _last_digest[1]
+
+
+_last_digest: list[Any] = [None, None]
 
 
 def _modules(roots: tuple[str, ...]) -> dict[str, tuple[str | None, str]]:
@@ -302,7 +308,8 @@ def _modules(roots: tuple[str, ...]) -> dict[str, tuple[str | None, str]]:
         seen = _module_entries.get(name)
         if seen is None or seen[0] is not module:  # a module's file is read once, at import
             path, kind = _module_file(module)
-            seen = _module_entries[name] = (module, path, kind or _identity(str(path)))
+            identity = kind or (_identity(path) if path and os.path.isfile(path) else "absent")
+            seen = _module_entries[name] = (module, path, identity)
         _, path, identity = seen
         if path is None or not _left_out(path, roots):
             found[name] = (path, identity)
@@ -323,18 +330,16 @@ def _own(name: str) -> bool:
 
 
 def _module_file(module: ModuleType) -> tuple[str | None, str]:
-    """(the file a module was loaded from, else None with ``builtin`` or ``namespace``)."""
+    """(the file a module was loaded from, else None with ``builtin`` or ``namespace``); for
+    a module in a zip archive, the archive."""
     spec = getattr(module, "__spec__", None)
+    archive = getattr(getattr(spec, "loader", None), "archive", None)
+    if isinstance(archive, str):
+        return _realpath(archive), ""
     origin = spec.origin if spec is not None and spec.has_location else None
     origin = origin or getattr(module, "__file__", None)
     if isinstance(origin, str) and origin:
-        path = _realpath(origin)
-        while not os.path.isfile(path):  # a module in a zip archive: the archive
-            parent = os.path.dirname(path)
-            if parent == path:
-                return None, "absent"
-            path = parent
-        return path, ""
+        return _realpath(origin), ""
     if spec is not None and spec.submodule_search_locations is not None:
         return None, "namespace"
     return None, "builtin"
@@ -355,7 +360,12 @@ def _realpath(path: str) -> str:
 
 @cache
 def _real_directory(directory: str) -> str:
-    return os.path.realpath(directory)
+    """``os.path.realpath`` of a directory, one ``lstat`` per component not seen before."""
+    parent, name = os.path.split(directory)
+    if not name:
+        return directory
+    found = os.path.join(_real_directory(parent), name)
+    return os.path.realpath(found) if os.path.islink(found) else found
 
 
 def _left_out(path: str, roots: tuple[str, ...]) -> bool:
@@ -854,4 +864,9 @@ def _pth_problem(recorded: dict[str, str]) -> str | None:
     return None
 
 
-_CHECKS = {"dist": _check_dist, "env": _check_env, "module": _check_module, "file": _check_file}
+_CHECKS: dict[str, Callable[[str, Any], str | None]] = {
+    "dist": _check_dist,
+    "env": _check_env,
+    "module": _check_module,
+    "file": _check_file,
+}
