@@ -255,7 +255,8 @@ class CuteDiskCache:
         self._guard = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self._checker = observe.Checker()
-        observe.start()  # a no-op when install() or the warmer started it, earlier
+        if _writable(self.root):  # only a layer that persists needs records
+            observe.start()  # a no-op when install() or the warmer started it, earlier
 
     def compile(self, fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Any:
         try:
@@ -386,6 +387,14 @@ class CuteDiskCache:
         return [str(self.root), *filter(None, [os.environ.get("CUTE_DSL_CACHE_DIR")])]
 
 
+def _writable(root: Path) -> bool:
+    """Whether this layer can persist under ``root`` (its nearest existing folder)."""
+    for folder in (root, *root.parents):
+        if folder.exists():
+            return os.access(folder, os.W_OK)
+    return False
+
+
 _default: CuteDiskCache | None = None
 _original_compile: Callable[..., Any] | None = None
 
@@ -428,7 +437,7 @@ def install() -> None:
     the original; call ``install()`` before importing such modules.
     """
     global _original_compile
-    observe.start()  # before the code that calls cute.compile imports its kernels
+    default_cache()  # a writable one observes from now: before the callers import kernels
     import cutlass.cute as cute
 
     if _original_compile is None:

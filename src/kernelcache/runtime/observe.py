@@ -55,9 +55,13 @@ __all__ = ["FORMAT", "Checker", "digest", "record", "start", "unobserved", "unob
 
 FORMAT = "kernelcache.dev/observed/v1"
 _EVENTS = frozenset({"open", "subprocess.Popen", "os.system", "os.posix_spawn", "socket.connect"})
+_MOST_FILES = 100_000  # a long-lived process opening files without end is not recorded forever
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _NOT_FILES = ("/proc/", "/sys/", "/dev/")
 _OWN_PACKAGE = "kernelcache"
+_OWN_HOOK = "zz_kernelcache_runtime.pth"
+# The program itself (``__main__``, also ``__mp_main__`` under multiprocessing) is the one
+# that started the process, not the kernel's: a kernel defined in it is keyed by its source.
 # Always looked for: site imports them at start, before anything can observe it.
 _SITE_HOOKS = ("sitecustomize", "usercustomize")
 # Variables that say where, who or which host: never factors (docs/keys.md).
@@ -162,6 +166,9 @@ def _opened(path: Any, mode: Any, flags: Any) -> None:
     if writes:
         _seen.written.add(absolute)
     elif absolute not in _seen.opened:
+        if len(_seen.opened) >= _MOST_FILES:
+            _seen.unobserved[f"files opened after the first {_MOST_FILES}"] = None
+            return
         _seen.opened[absolute] = None if os.path.isabs(path) else os.path.normpath(path)
 
 
@@ -259,7 +266,7 @@ def _take(roots: tuple[str, ...], kernel_module: str, mapped: set[str]) -> dict[
     notes.update(
         {f"{file} read the whole environment: the variables it used": None for file in _seen.bulk}
     )
-    modules = _modules(roots)
+    modules, installed = _modules(roots)
     module_files = {path for path, _ in modules.values() if path}
     files: dict[str, str] = {}
     file_paths: list[str] = []
@@ -274,7 +281,7 @@ def _take(roots: tuple[str, ...], kernel_module: str, mapped: set[str]) -> dict[
         file_paths.append(path)
     pth_files = _pth_files()
     pth = {_locator(path, None): file_digest(path) for path in pth_files}  # a few lines each
-    owned = [*module_files, *file_paths]
+    owned = [*module_files, *installed, *file_paths]
     return {
         "format": FORMAT,
         "python": sys.version,
@@ -298,28 +305,45 @@ def digest(observed: dict[str, Any]) -> tuple[str, bytes]:
 _last_digest: list[Any] = [None, None]
 
 
-def _modules(roots: tuple[str, ...]) -> dict[str, tuple[str | None, str]]:
-    """module -> (its file, identity) for every module loaded, and ``absent`` for every
-    project-level import that failed (an optional helper that may appear later)."""
+def _modules(roots: tuple[str, ...]) -> tuple[dict[str, tuple[str | None, str]], list[str]]:
+    """(module -> (its file, identity), the files of the installed modules loaded before
+    observation began).
+
+    Every module the import system loaded, and ``absent`` for every project-level import
+    that failed (an optional helper that may appear later). One loaded before observation
+    began that belongs to the Python installation or a distribution (the warm's own
+    machinery: the build, the stamp, a toolchain it asked) is keyed by its distribution, not
+    file by file; a project's (one a ``.pth`` hook or ``sitecustomize`` imported) by its file.
+    """
+    loaded: dict[str, tuple[str | None, str]] = {}
     found: dict[str, tuple[str | None, str]] = {}
+    installed: list[str] = []
     for name, module in list(sys.modules.items()):
-        if module is None or name == "__main__" or _own(name):
+        if module is None or module is sys.modules.get("__main__") or _own(name):
             continue
+        if getattr(module, "__spec__", None) is None:
+            continue  # made by another module's code (an extension's submodules): its file's
         seen = _module_entries.get(name)
         if seen is None or seen[0] is not module:  # a module's file is read once, at import
             path, kind = _module_file(module)
             identity = kind or (_identity(path) if path and os.path.isfile(path) else "absent")
             seen = _module_entries[name] = (module, path, identity)
         _, path, identity = seen
-        if path is None or not _left_out(path, roots):
-            found[name] = (path, identity)
+        if path is not None and _left_out(path, roots):
+            continue
+        loaded[name] = (path, identity)
+        if name in _seen.modules_at_start and identity.startswith(("dist ", "python ", "builtin")):
+            if path is not None:
+                installed.append(path)
+            continue
+        found[name] = (path, identity)
     for name in [*_seen.absent, *_SITE_HOOKS]:
         top = name.partition(".")[0]
-        if name in found or _own(name) or top in sys.stdlib_module_names:
+        if name in loaded or _own(name) or top in sys.stdlib_module_names:
             continue
-        if top not in found or not found[top][1].startswith(("dist ", "python ")):
-            found[top if top not in found else name] = (None, "absent")
-    return found
+        if top not in loaded or not loaded[top][1].startswith(("dist ", "python ")):
+            found[top if top not in loaded else name] = (None, "absent")
+    return found, installed
 
 
 _module_entries: dict[str, tuple[ModuleType, str | None, str]] = {}
@@ -333,6 +357,8 @@ def _module_file(module: ModuleType) -> tuple[str | None, str]:
     """(the file a module was loaded from, else None with ``builtin`` or ``namespace``); for
     a module in a zip archive, the archive."""
     spec = getattr(module, "__spec__", None)
+    if getattr(spec, "origin", None) in ("built-in", "frozen"):
+        return None, "builtin"  # part of the interpreter, even with a __file__ for show
     archive = getattr(getattr(spec, "loader", None), "archive", None)
     if isinstance(archive, str):
         return _realpath(archive), ""
@@ -400,7 +426,8 @@ def _mapped_files() -> set[str]:
 
 
 def _pth_files() -> list[str]:
-    """The ``.pth`` files of the site directories: site runs each at interpreter start."""
+    """The ``.pth`` files of the site directories (site runs each at interpreter start), less
+    copies of kernelcache's own start-up hook: it only installs kernelcache's runtime."""
     directories = [*site.getsitepackages(), site.getusersitepackages()]
     found = []
     for directory in dict.fromkeys(os.path.realpath(d) for d in directories):
@@ -408,7 +435,15 @@ def _pth_files() -> list[str]:
             found += [e.path for e in os.scandir(directory) if e.name.endswith(".pth")]
         except OSError:
             continue
-    return sorted(found)
+    return sorted(path for path in found if file_digest(path) != _own_hook())
+
+
+@cache
+def _own_hook() -> str | None:
+    """The digest of ``zz_kernelcache_runtime.pth``, beside the package in a source tree and
+    in site-packages alike."""
+    hook = Path(__file__).resolve().parents[2] / _OWN_HOOK
+    return file_digest(str(hook)) if hook.is_file() else None
 
 
 def _environment() -> dict[str, Any]:
