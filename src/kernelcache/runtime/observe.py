@@ -754,7 +754,7 @@ class Checker:
             observed = json.loads(data)
         except (OSError, ValueError):
             return f"its record {path} cannot be read"
-        if digest(observed)[0] != address or observed.get("format") != FORMAT:
+        if blake3.blake3(data).hexdigest()[:32] != address or observed.get("format") != FORMAT:
             return f"its record {path} does not match its name"
         if observed["python"] != sys.version:
             return f"compiled under Python {observed['python']!r}, this is {sys.version!r}"
