@@ -213,7 +213,7 @@ def main() -> int:
     )
     trace_ms = statistics.median(traced["per_kernel_seconds"]) * 1e3
     summary = {
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}",
         "date": time.strftime("%Y-%m-%d"),
         "arch": args.arch,
         "kernels": kernels,
