@@ -51,7 +51,7 @@ from typing import Any
 
 import blake3
 
-__all__ = ["FORMAT", "Checker", "digest", "record", "start", "unobserved", "unobserved_block"]
+__all__ = ["FORMAT", "Checker", "digest", "record", "start", "unobserved_block"]
 
 FORMAT = "kernelcache.dev/observed/v1"
 _EVENTS = frozenset({"open", "subprocess.Popen", "os.system", "os.posix_spawn", "socket.connect"})
@@ -60,8 +60,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _NOT_FILES = ("/proc/", "/sys/", "/dev/")
 _OWN_PACKAGE = "kernelcache"
 _OWN_HOOK = "zz_kernelcache_runtime.pth"
-# The program itself (``__main__``, also ``__mp_main__`` under multiprocessing) is the one
-# that started the process, not the kernel's: a kernel defined in it is keyed by its source.
 # Always looked for: site imports them at start, before anything can observe it.
 _SITE_HOOKS = ("sitecustomize", "usercustomize")
 # Variables that say where, who or which host: never factors (docs/keys.md).
@@ -210,11 +208,6 @@ def _caller() -> FrameType | None:
     return frame
 
 
-def unobserved() -> list[str]:
-    """What this process did that observation cannot see into, so far."""
-    return list(_seen.unobserved)
-
-
 # ------------------------------------------------------------------ the record
 
 
@@ -239,11 +232,12 @@ def _record(exclude: Iterable[str | os.PathLike[str]], kernel_module: str) -> di
     state = (
         roots,
         kernel_module in _seen.modules_at_start,
-        hash(tuple(sys.modules.values())),  # not id(): each id() call is an audit event
+        hash(tuple(sys.modules)),  # the names: values may be anything, and id() is audited
         len(_seen.opened),
         len(_seen.written),
         len(_seen.absent),
         sum(map(len, _seen.env.values())),
+        tuple(map(os.environ.get, list(_seen.env))),
         len(_seen.unobserved),
         len(_seen.bulk),
         len(mapped),
@@ -319,6 +313,8 @@ def _modules(roots: tuple[str, ...]) -> tuple[dict[str, tuple[str | None, str]],
     found: dict[str, tuple[str | None, str]] = {}
     installed: list[str] = []
     for name, module in list(sys.modules.items()):
+        # The program (``__main__``, also ``__mp_main__`` under multiprocessing) started the
+        # process; it is not the kernel's (a kernel defined in it is keyed by its source).
         if module is None or module is sys.modules.get("__main__") or _own(name):
             continue
         if getattr(module, "__spec__", None) is None:
