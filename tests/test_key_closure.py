@@ -35,7 +35,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, needs_cute, system_tool
+from kernelcache.store import Store
+from tests.conftest import (
+    REPO,
+    SMALL_WORKLOAD,
+    needs_cute,
+    run_kernelcache,
+    system_tool,
+    write_warmer_spec,
+)
 from tests.helpers.wheels import build_wheel
 
 pytestmark = [pytest.mark.slow, needs_cute]
@@ -803,3 +811,27 @@ def test_what_the_warm_could_not_observe_is_named(world, tmp_path):
     assert any("a subprocess" in note for note in answer["unobserved"]), answer
     (record,) = (root / "observed").glob("*.json")
     assert any("a subprocess" in note for note in json.loads(record.read_text())["unobserved"])
+
+
+def test_the_warm_report_names_what_the_build_could_not_observe(tmp_path):
+    """Through the real build: the cute-dsl warmer's report in the manifest lists it."""
+    (tmp_path / "kc_spawning_kernels.py").write_text(
+        "import subprocess, sys\n\n"
+        "import demo_kernels\n\n"
+        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+        "warm = demo_kernels.warm\n"
+    )
+    warmer = {
+        "type": "cute-dsl",
+        "entryPoints": ["kc_spawning_kernels:warm"],
+        "workload": SMALL_WORKLOAD,
+    }
+    spec = write_warmer_spec(tmp_path, warmer)
+    store = tmp_path / "store"
+    proc = run_kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    manifest = Store(store).current_manifest("default/kc/sm_90a")
+    assert manifest is not None
+    (report,) = manifest.report["warmers"]
+    assert any(f"a subprocess ({sys.executable})" in n for n in report["unobserved"]), report
+    assert "not observed: a subprocess" in proc.stderr
