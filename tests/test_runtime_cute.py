@@ -229,3 +229,36 @@ def test_a_hopper_tma_wgmma_gemm_is_exported_and_loaded_with_zero_compiles(tmp_p
     assert names == ["hopper_gemm[256x128x64]", "hopper_gemm[128x256x128]"]
     assert (hits, misses) == (0, 2) and len(list(tmp_path.glob("*.o"))) == 2
     assert run(KERNELCACHE_STRICT="1")[1:] == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "names"),
+    [
+        pytest.param(
+            lambda meta, record: record.write_text(record.read_text().replace("{", "{ ", 1)),
+            "does not match its name",
+            id="record-edited",
+        ),
+        pytest.param(
+            lambda meta, record: meta.write_text(
+                json.dumps(
+                    {k: v for k, v in json.loads(meta.read_text()).items() if k != "observed"}
+                )
+            ),
+            "no record of what its compile read",
+            id="record-dropped",
+        ),
+    ],
+)
+def test_a_kernel_whose_record_does_not_hold_is_refused_in_strict_mode(
+    tmp_path, cute_cache, tamper, names
+):
+    """The record of what the compile read is content-addressed: edited or missing, the
+    kernel is not loaded on trust."""
+    _, fn, args = _first_specialization()
+    cute_cache.CuteDiskCache(tmp_path).compile(fn, *args)
+    (meta,) = tmp_path.glob("*.json")
+    (record,) = (tmp_path / "observed").glob("*.json")
+    tamper(meta, record)
+    with pytest.raises(cute_cache.ColdCompileError, match=f"is stale: .*{names}"):
+        cute_cache.CuteDiskCache(tmp_path, strict=True).compile(fn, *args)

@@ -25,7 +25,9 @@ toolchain would cost seconds, and in an init-container that may have none of the
 
 A host- or path-valued setting is never a factor (``DESIGN``: it differs between the pod that
 builds and the pods that serve, so it would never match): a name that says it holds a
-location, or a value that is an absolute path, is left out.
+location, or a value that is an absolute path, is left out. A value is read by its meaning,
+the way its toolchain parses it: a CuTe-DSL setting the DSL declares as ``bool``, ``int`` or
+``str`` is an option however it starts (``CUTE_DSL_COMPILER_OPT=/opt-level=0``).
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ def compile_settings(
     ``ask_triton`` adds the variables Triton's C++ core lists (it imports Triton).
     """
     environ = os.environ if environ is None else environ
-    candidates = {
+    named = {
         name
-        for name, value in environ.items()
-        if name not in _CUTE_DSL_OWN_FACTORS and not _is_location(name, value)
+        for name in environ
+        if name not in _CUTE_DSL_OWN_FACTORS and not _LOCATION_WORDS & set(name.split("_"))
     }
+    options = _cute_dsl_options(named)  # declared as text, flags or numbers: never a path
+    candidates = {n for n in named if n in options or not environ[n].startswith(("/", "~"))}
     names = (
         set(also)
         | {name for name in candidates if _is_flashinfer_setting(name)}
@@ -93,10 +97,6 @@ def compile_settings(
     if ask_triton:
         names |= _triton_core_settings()
     return {SETTING_PREFIX + name: environ[name] for name in sorted(names & candidates)}
-
-
-def _is_location(name: str, value: str) -> bool:
-    return bool(_LOCATION_WORDS & set(name.split("_"))) or value.startswith(("/", "~"))
 
 
 def _is_flashinfer_setting(name: str) -> bool:
@@ -168,12 +168,40 @@ def _cute_dsl_settings(candidates: Iterable[str]) -> set[str]:
     return {name for name, suffix in suffixes.items() if suffix in declared}
 
 
+def _cute_dsl_options(names: Iterable[str]) -> set[str]:
+    """The names the DSL declares with the type it parses them as ``bool``, ``int`` or ``str``:
+    ``CUTE_DSL_COMPILER_OPT=/opt-level=0`` is an option string, whatever its first byte."""
+    suffixes = {
+        n: n.removeprefix(_CUTE_DSL_PREFIX) for n in names if n.startswith(_CUTE_DSL_PREFIX)
+    }
+    if not suffixes or find_spec_without_import("cutlass") is None:
+        return set()
+    paths = [p for p in (_package_file("cutlass", f) for f in _CUTE_DSL_FILES) if p is not None]
+    typed = set().union(set(), *(_cute_dsl_typed(*_version(path)) for path in paths))
+    return {name for name, suffix in suffixes.items() if suffix in typed}
+
+
 @cache
 def _cute_dsl_declared(path: str, mtime_ns: int) -> frozenset[str]:
-    return frozenset(_affects_compile_declarations(_parse(path, mtime_ns)))
+    return frozenset(name for name, _ in _affects_compile_declarations(_parse(path, mtime_ns)))
 
 
-def _affects_compile_declarations(tree: ast.Module) -> Iterator[str]:
+@cache
+def _cute_dsl_typed(path: str, mtime_ns: int) -> frozenset[str]:
+    declared = _affects_compile_declarations(_parse(path, mtime_ns))
+    return frozenset(name for name, kind in declared if kind in _OPTION_TYPES)
+
+
+_OPTION_TYPES = frozenset({"bool", "int", "float", "str"})
+
+
+def _affects_compile_declarations(tree: ast.Module) -> Iterator[tuple[str, str | None]]:
+    """(name, the type it is declared as, when one is) of each compile-affecting setting."""
+    annotations = {
+        id(node.value): node.annotation
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AnnAssign) and node.value is not None
+    }
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "env_var"):
             continue
@@ -185,7 +213,8 @@ def _affects_compile_declarations(tree: ast.Module) -> Iterator[str]:
             and isinstance(source, ast.Constant)
             and isinstance(source.value, str)
         ):
-            yield source.value
+            annotation = annotations.get(id(node))
+            yield source.value, annotation.id if isinstance(annotation, ast.Name) else None
 
 
 def _inductor_settings(candidates: Iterable[str]) -> set[str]:

@@ -15,6 +15,12 @@ the ``.o`` exists and the saved factors equal the computed ones. A factor that c
 computed (a function without a source file, an argument with no stable description) bypasses
 the cache rather than weakening the key.
 
+Beside the key, each kernel keeps a record of what its compile observably read
+(``kernelcache.runtime.observe``: modules however imported, files opened or mapped, the
+distributions they belong to, variables read), content-addressed in ``observed/<digest>.json``
+and named in ``<key>.json``. A hit also needs that record to hold here; strict refuses one
+that does not, naming the file or variable, and permissive compiles (counted as stale).
+
 Writes are atomic (temp file in the same directory, then rename; the ``.json`` commit marker
 last), so concurrent processes and threads never see half an artifact. A read-only cache
 directory (a materialized generation) still serves hits; a miss there compiles in memory.
@@ -42,11 +48,13 @@ import blake3
 
 from kernelcache import contract
 from kernelcache.errors import ColdCompileError
+from kernelcache.runtime import observe
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = contract.CUTE_DSL_DIR.name
-KEY_FORMAT = "kernelcache.dev/cute-dsl/v2"  # v2: sources of the imported modules
+KEY_FORMAT = "kernelcache.dev/cute-dsl/v3"  # v3: a record of what the compile read
+OBSERVED_SUBDIR = "observed"  # the records, by content address
 # Fallback only: CUTE_DSL_* settings that say where to write or what to log.
 _NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
 
@@ -63,9 +71,11 @@ class CacheStats:
     misses: int = 0
     persisted: int = 0
     bypassed: int = 0
+    stale: int = 0  # hits refused because what the compile read differs here
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
     compiled: list[str] = field(default_factory=list)  # function names compiled on a miss
+    unobserved: dict[str, None] = field(default_factory=dict)  # what records could not see
 
 
 @cache
@@ -244,10 +254,14 @@ class CuteDiskCache:
         self._modules: list[Any] = []  # loaded modules stay referenced while their functions live
         self._guard = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
+        self._checker = observe.Checker()
+        if _writable(self.root):  # only a layer that persists needs records
+            observe.start()  # a no-op when install() or the warmer started it, earlier
 
     def compile(self, fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Any:
         try:
-            factors = key_factors(fn, args, kwargs, options)
+            with observe.unobserved_block():  # keying reads sources: kernelcache's reads
+                factors = key_factors(fn, args, kwargs, options)
         except UncacheableError as exc:
             log.warning("kernelcache: cute.compile bypasses the cache: %s", exc)
             with self._guard:
@@ -257,10 +271,12 @@ class CuteDiskCache:
         with self._lock_for(key):
             if key in self._memory:
                 return self._memory[key]
-            compiled = self._load(key, factors)
+            with observe.unobserved_block():  # the layer's own files, not the kernel's
+                compiled = self._load(key, factors)
             if compiled is None:
                 compiled = self._compile_now(fn, args, kwargs, options, factors=factors)
-                self._persist(key, factors, compiled)
+                with observe.unobserved_block():
+                    self._persist(key, factors, compiled)
             self._memory[key] = compiled
             return compiled
 
@@ -278,6 +294,16 @@ class CuteDiskCache:
         except (OSError, ValueError):
             return None  # absent or half-written: a miss, never an error
         if meta.get("factors") != factors or not obj_path.is_file():
+            return None
+        problem = self._checker.check(self.root / OBSERVED_SUBDIR, meta.get("observed"))
+        if problem is not None:
+            name = factors["function"]
+            with self._guard:
+                self.stats.stale += 1
+            if self.strict:
+                _report("refused", name, None)
+                raise ColdCompileError(f"cute-dsl: {name} in {self.root} is stale: {problem}")
+            log.warning("kernelcache: cute-dsl: %s is stale, compiling: %s", name, problem)
             return None
         from cutlass.cute.runtime import load_module
 
@@ -321,7 +347,12 @@ class CuteDiskCache:
         obj_path, meta_path = self._paths(key)
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         prefix = f"kc_{key[:24]}"
+        module = factors["function"].partition(":")[0]
         try:
+            observed = observe.record(self._outputs(), module)
+            address, record_bytes = observe.digest(observed)
+            with self._guard:
+                self.stats.unobserved.update(dict.fromkeys(observed["unobserved"]))
             tmp.mkdir(parents=True)
             tvm_ffi = "--enable-tvm-ffi" in factors["options"]
             if tvm_ffi:  # the TVM-FFI calling convention is generated with the C export
@@ -329,8 +360,19 @@ class CuteDiskCache:
             else:  # the object alone: a C header would need every argument to be C-typed
                 (tmp / f"{key}.o").write_bytes(compiled.dump_to_object(prefix))
             os.replace(tmp / f"{key}.o", obj_path)
+            record_path = self.root / OBSERVED_SUBDIR / f"{address}.json"
+            if not record_path.is_file():  # content-addressed: the same record is the same file
+                record_path.parent.mkdir(exist_ok=True)
+                (tmp / "record").write_bytes(record_bytes)
+                os.replace(tmp / "record", record_path)
             size = obj_path.stat().st_size
-            meta = {"factors": factors, "prefix": prefix, "tvm_ffi": tvm_ffi, "bytes": size}
+            meta = {
+                "factors": factors,
+                "prefix": prefix,
+                "tvm_ffi": tvm_ffi,
+                "bytes": size,
+                "observed": address,
+            }
             (tmp / "meta").write_text(json.dumps(meta, sort_keys=True, indent=1))
             os.replace(tmp / "meta", meta_path)  # the commit marker, last
             with self._guard:
@@ -339,6 +381,18 @@ class CuteDiskCache:
             log.warning("kernelcache: could not persist %s to %s: %s", key, self.root, exc)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _outputs(self) -> list[str]:
+        """Where compiles write, never what they read: this layer and the DSL's own cache."""
+        return [str(self.root), *filter(None, [os.environ.get("CUTE_DSL_CACHE_DIR")])]
+
+
+def _writable(root: Path) -> bool:
+    """Whether this layer can persist under ``root`` (its nearest existing folder)."""
+    for folder in (root, *root.parents):
+        if folder.exists():
+            return os.access(folder, os.W_OK)
+    return False
 
 
 _default: CuteDiskCache | None = None
@@ -383,6 +437,7 @@ def install() -> None:
     the original; call ``install()`` before importing such modules.
     """
     global _original_compile
+    default_cache()  # a writable one observes from now: before the callers import kernels
     import cutlass.cute as cute
 
     if _original_compile is None:

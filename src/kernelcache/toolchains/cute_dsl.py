@@ -13,6 +13,8 @@ before compiling (``ColdCompileError``).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -23,18 +25,31 @@ from kernelcache.runtime.cute import CACHE_DIR_ENV
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, call_entry_points
 
+log = logging.getLogger(__name__)
+
 SUBDIR = "cute-dsl"  # kernelcache's disk layer for cute.compile
 JIT_SUBDIR = "cute-dsl-jit"  # the DSL's own file cache (jit-decorated calls)
 
 
+@dataclass
+class CuteDslReport(WarmerReport):
+    # What the kernels' records could not see into (a subprocess's reads, a module imported
+    # before observation began): named, not silently trusted.
+    unobserved: list[str] = field(default_factory=list)
+
+
 class CuteDslWarmer(Warmer):
     type = "cute-dsl"
+    report_type = CuteDslReport
     fills = (SUBDIR,)
     counts_held = True
 
     def produce(self, files_dir: Path, arch: str, report: WarmerReport) -> None:
         from kernelcache.runtime import cute as cute_cache
+        from kernelcache.runtime import observe
 
+        assert isinstance(report, CuteDslReport)
+        observe.start(exclude=[files_dir])  # before any entry point is imported
         cute_cache.install()
         previous = cute_cache.on_event
 
@@ -56,6 +71,9 @@ class CuteDslWarmer(Warmer):
                         "and were not cached (see the warnings above)"
                     )
                 report.compiled = cache.stats.misses
+                report.unobserved = sorted(cache.stats.unobserved)
+                for note in report.unobserved:
+                    log.warning("cute-dsl warmer: not observed: %s", note)
         finally:
             cute_cache.on_event = previous
             cute_cache.uninstall()
