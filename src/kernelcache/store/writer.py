@@ -30,6 +30,7 @@ from kernelcache.store.digests import (
 )
 from kernelcache.store.fs import (
     fsync_dir,
+    fsync_file,
     fsync_tree_dirs,
     io_errors,
     lstat_refusing_symlink,
@@ -420,7 +421,10 @@ class Writer:
                     f"not for {self.key}",
                     path=str(staging / MANIFEST_NAME),
                 )
-            fsync_tree_dirs(staging / FILES_DIR, regular_files(staging / FILES_DIR)[1], workers)
+            files_root = staging / FILES_DIR
+            files, dirs = regular_files(files_root)
+            parallel(fsync_file, [files_root / rel for rel, _ in files], workers)
+            fsync_tree_dirs(files_root, dirs, workers)
             fsync_dir(staging)
             manifest, created_new = self._install(staging, manifest, None, workers)
         except BaseException:
