@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kernelcache import contract
-from kernelcache.distribution import artifact, push
+from kernelcache.distribution import artifact, describe, push
 from kernelcache.distribution.auth import Credentials
 from kernelcache.distribution.reference import Reference
 from kernelcache.distribution.registry import Client
@@ -120,6 +120,11 @@ def test_push_then_pull_is_byte_identical_and_skopeo_reads_the_artifact(
     info = json.loads(inspected.stdout)
     assert info["Digest"] == result["digest"] and info["Os"] == "linux"
     assert artifact.signature_tag(result["digest"]) in info["RepoTags"]
+    described = describe(
+        ref, auth=registry.authfile, ca_file=registry.ca_file, public_key=keys.public
+    )  # what a consumer records before it mounts or pulls: no layer fetched
+    assert (described.key, described.generation) == (KEY, source.name)
+    assert described.stamp == json.loads((source / "MANIFEST.json").read_text())["stamp"]["digest"]
     copied = tmp_path / "skopeo-dir"
     copy = registry.skopeo("copy", f"docker://{ref}", f"dir:{copied}")
     assert copy.returncode == 0, copy.stderr  # skopeo checked every blob's digest
@@ -531,3 +536,29 @@ def test_a_pull_killed_midway_leaves_the_store_as_it_was(
     current = store.current(KEY)
     assert current is not None and current != old and verify(current, key=KEY).ok
     assert not [n for n in os.listdir(old.parent) if n.startswith(".staging-")]
+
+
+# --------------------------------------------------------------------------- the store's side
+
+
+def test_adopt_refuses_a_generation_of_another_key_and_keeps_current(
+    keys: Keys, tmp_path: Path
+) -> None:
+    """``Writer.adopt`` publishes a generation made elsewhere only whole and only for its
+    key, whatever its caller checked before."""
+    import shutil
+
+    from kernelcache.errors import IntegrityError
+
+    foreign = publish(tmp_path / "a", key="ns/other/sm_90a", files=files_of("adopt"))
+    old = publish(tmp_path / "b", files={"triton/old.cubin": b"old"})
+    store = Store(tmp_path / "b")
+    with store.writer(KEY) as writer:
+        staging = writer.staging().parent
+        shutil.rmtree(staging)
+        shutil.copytree(foreign, staging)
+        with pytest.raises(IntegrityError, match="published for key ns/other/sm_90a"):
+            writer.adopt(staging)
+    assert store.current(KEY) == old
+    assert not [n for n in os.listdir(old.parent) if n.startswith(".staging-")]
+    assert sorted(os.listdir(old.parent)) == sorted([old.name, "CURRENT", ".lock"])

@@ -260,6 +260,75 @@ def _push_signature(
     client.put_manifest(artifact.signature_tag(subject.digest), data, artifact.MANIFEST_MEDIA_TYPE)
 
 
+@dataclass(frozen=True)
+class Artifact:
+    """What an artifact's manifest says, its digest and (with a key) its signature checked;
+    no layer fetched. The generation itself is only checked by ``pull``, or by ``verify`` on
+    an image volume that mounts it."""
+
+    ref_digest: str
+    key: str
+    generation: str
+    stamp: str  # the stamp digest
+    layers: int
+    bytes: int  # the layers' size, as stored
+    signature_verified: bool
+
+
+def describe(
+    ref: str,
+    *,
+    auth: AuthLike = None,
+    ca_file: str | os.PathLike[str] | None = None,
+    public_key: PublicKeyLike | None = None,
+) -> Artifact:
+    """Read ``ref``'s manifest (by digest), check its bytes against the digest and, with
+    ``public_key``, its signature: what a consumer records before it pulls or mounts it (the
+    generation id names an image volume's mount, so that ``verify --key`` holds)."""
+    reference, _, image, public = _open(ref, auth, ca_file, public_key, False)
+    assert reference.digest is not None
+    return Artifact(
+        ref_digest=reference.with_digest(reference.digest),
+        key=image.key,
+        generation=image.generation,
+        stamp=image.stamp,
+        layers=len(image.layers),
+        bytes=sum(layer.size for layer in image.layers),
+        signature_verified=public is not None,
+    )
+
+
+def _open(
+    ref: str,
+    auth: AuthLike,
+    ca_file: str | os.PathLike[str] | None,
+    public_key: PublicKeyLike | None,
+    require_signature: bool,
+) -> tuple[Reference, Client, ImageManifest, Ed25519PublicKey | None]:
+    """The reference (a digest), a client, the manifest checked against the digest and
+    (with a key) its signature, and the key to check the generation with."""
+    reference = Reference.parse(ref)
+    if reference.digest is None:
+        raise SpecError(
+            f"{ref}: pull takes a digest (REGISTRY/REPOSITORY@sha256:<hex>), not a tag, which "
+            "can move: kernelcache push prints the digest"
+        )
+    digest, name = reference.digest, reference.with_digest(reference.digest)
+    public = _public_key(public_key)
+    if require_signature and public is None:
+        raise SignatureError(f"{name}: a signature is required but no public key was given")
+    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
+    data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
+    if (served := artifact.digest_of(data)) != digest:
+        raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")
+    image = artifact.parse_image_manifest(data, name)
+    if public is not None:
+        _check_signature(client, reference, digest, public)
+    if (problem := key_problem(image.key)) is not None:
+        raise ManifestError(f"{name}: annotation {contract.OCI_ANNOTATION_KEY}: {problem}")
+    return reference, client, image, public
+
+
 def pull(
     ref: str,
     store: str | os.PathLike[str],
@@ -284,25 +353,9 @@ def pull(
     or the store unwritable 10, a tag instead of a digest 2. ``keep``: as ``Writer.publish``.
     """
     started = time.monotonic()
-    reference = Reference.parse(ref)
-    if reference.digest is None:
-        raise SpecError(
-            f"{ref}: pull takes a digest (REGISTRY/REPOSITORY@sha256:<hex>), not a tag, which "
-            "can move: kernelcache push prints the digest"
-        )
-    digest, name = reference.digest, reference.with_digest(reference.digest)
-    public = _public_key(public_key)
-    if require_signature and public is None:
-        raise SignatureError(f"{name}: a signature is required but no public key was given")
-    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
-    data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
-    if (served := artifact.digest_of(data)) != digest:
-        raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")
-    image = artifact.parse_image_manifest(data, name)
-    if public is not None:
-        _check_signature(client, reference, digest, public)
-    if (problem := key_problem(image.key)) is not None:
-        raise ManifestError(f"{name}: annotation {contract.OCI_ANNOTATION_KEY}: {problem}")
+    reference, client, image, public = _open(ref, auth, ca_file, public_key, require_signature)
+    assert reference.digest is not None
+    name = reference.with_digest(reference.digest)
     if key is not None and image.key != str(key):
         raise IntegrityError(f"{name}: an artifact of key {image.key}, not of {key}")
     config = _small_blob(client, image.config, f"{name}: config {image.config.digest}")
