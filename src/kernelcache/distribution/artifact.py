@@ -415,37 +415,53 @@ def payload_digest(payload: bytes, source: str) -> str:
 
 class BlobReader(io.RawIOBase):
     """A read-only stream over a blob's chunks that hashes and counts what it hands on, and
-    refuses to hand on more than ``limit`` bytes (a blob larger than its descriptor)."""
+    refuses to hand on more than ``limit`` bytes (a blob larger than its descriptor).
+
+    ``read`` hands on a whole chunk as it came when asked for at least that much (the tar
+    reader asks for its buffer's size, which is the chunks' size): no copy."""
 
     def __init__(
         self, chunks: Iterable[bytes], limit: int, on_excess: Callable[[], Exception]
     ) -> None:
         self._chunks = iter(chunks)
-        self._buffer = memoryview(b"")
+        self._chunk, self._offset = b"", 0
         self._limit, self._on_excess = limit, on_excess
         self.hasher, self.size = hashlib.sha256(), 0
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, target: Any) -> int:
-        while not self._buffer:
+    def _fill(self) -> bool:
+        """The next chunk, hashed and counted, when the current one is used up."""
+        while self._offset == len(self._chunk):
             chunk = next(self._chunks, None)
             if chunk is None:
-                return 0
+                return False
             self.hasher.update(chunk)
             self.size += len(chunk)
             if self.size > self._limit:
                 raise self._on_excess()
-            self._buffer = memoryview(chunk)
-        n = min(len(target), len(self._buffer))
-        target[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
-        return n
+            self._chunk, self._offset = bytes(chunk), 0
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if not self._fill():
+            return b""
+        start, left = self._offset, len(self._chunk) - self._offset
+        n = left if size is None or size < 0 else min(size, left)
+        self._offset += n
+        if start == 0 and n == len(self._chunk):
+            return self._chunk
+        return self._chunk[start : start + n]
+
+    def readinto(self, target: Any) -> int:
+        data = self.read(len(target))
+        target[: len(data)] = data
+        return len(data)
 
     def drain(self) -> None:
         """Read what the tar reader left (the archive's zero padding), so all is hashed."""
-        while self.readinto(bytearray(1 << 16)):
+        while self.read():
             pass
 
     @property
