@@ -24,6 +24,7 @@ import os
 import stat
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,12 +52,12 @@ from kernelcache.errors import (
 )
 from kernelcache.store.digests import FileEntry
 from kernelcache.store.fs import (
-    fsync_file,
     io_errors,
     make_dirs,
     parallel,
     read_regular,
     shareable_mode,
+    sync_filesystem,
     write_all,
     write_file_synced,
 )
@@ -78,8 +79,8 @@ from kernelcache.store.writer import Store
 _SMALL_BLOB = 64 << 20
 _READ = 1 << 20
 # A pulled file is new (two entries of one name are refused), and never through a symlink.
-# Threads that fsync pulled files while more arrive (the disk's queue, not the CPU, bounds it).
-_SYNC_THREADS = 4
+# Pulled bytes between two syncs of the store's filesystem while more arrive (``_Flusher``).
+_FLUSH_EVERY = 128 << 20
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -517,34 +518,21 @@ def _unpack_files(
     workers: int | None,
 ) -> None:
     """Stream the file layers (in parallel) into staging/files/, each file checked as it is
-    written; every file MANIFEST.json lists must have come.
-
-    Each file is fsynced as soon as it is written, on threads of its own, so the disk writes
-    while the network delivers (``Writer.adopt``'s own fsyncs then find clean files): syncing
-    them all at the end cost as much again as the download.
-    """
+    written; every file MANIFEST.json lists must have come."""
     entries = {f"{FILES_DIR}/{e.path}": e for e in manifest.files}
     make_dirs(staging / FILES_DIR, (e.path for e in manifest.files))
-    syncs: list[Future[None]] = []
-    with ThreadPoolExecutor(max_workers=_SYNC_THREADS) as syncer:
+    with _Flusher(staging) as flusher:
 
         def fetch(item: tuple[int, Descriptor]) -> set[str]:
             index, layer = item
             what = _describe(name, index, layer)
             writer = _FileWriter(staging, layer.subtree, entries, what)
-            writer.on_written = lambda path: syncs.append(syncer.submit(fsync_file, path))
+            writer.on_written = flusher.wrote
             _fetch_layer(client, layer, diff_ids[index], what, writer)
             return writer.written
 
-        try:
-            layers = list(enumerate(image.file_layers, 1))
-            written: set[str] = set().union(*parallel(fetch, layers, workers))
-        except BaseException:
-            for sync in syncs:
-                sync.cancel()
-            raise
-        for sync in syncs:
-            sync.result()
+        layers = list(enumerate(image.file_layers, 1))
+        written: set[str] = set().union(*parallel(fetch, layers, workers))
     for path in sorted(set(entries) - written):
         raise IntegrityError(f"{name}: {path}: listed in {MANIFEST_NAME}, in no layer")
 
@@ -564,6 +552,35 @@ def _fetch_layer(
         artifact.read_layer(chunks, layer, diff_id, what, on_entry)
 
 
+class _Flusher:
+    """Sets the disk writing while the network delivers: after every ``_FLUSH_EVERY`` bytes
+    pulled, a sync of the staging's filesystem on a thread of its own (one at a time), so
+    that ``Writer.adopt``'s final sync finds little left. Without it the whole generation
+    was written out only at the end, after the download, as long again on a busy disk."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pending = path, 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._syncs: list[Future[None]] = []
+
+    def wrote(self, size: int) -> None:
+        with self._lock:
+            self.pending += size
+            if self.pending < _FLUSH_EVERY or (self._syncs and not self._syncs[-1].done()):
+                return
+            self.pending = 0
+            self._syncs.append(self._pool.submit(sync_filesystem, self.path))
+
+    def __enter__(self) -> _Flusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
+        for sync in self._syncs:  # a write-back error is reported once, to the one who synced
+            sync.result()
+
+
 class _FileWriter:
     """A file layer: each file of its subtree that MANIFEST.json lists, with its size and
     blake3 checked as it is written (not synced: ``Writer.adopt`` syncs the tree)."""
@@ -573,7 +590,7 @@ class _FileWriter:
     ) -> None:
         self.staging, self.subtree, self.entries, self.what = staging, subtree, entries, what
         self.written: set[str] = set()
-        self.on_written: Callable[[Path], object] = lambda path: None
+        self.on_written: Callable[[int], object] = lambda size: None
 
     def __call__(self, member: tarfile.TarInfo, content: BinaryIO | None) -> None:
         name = member.name
@@ -609,4 +626,4 @@ class _FileWriter:
                 os.close(fd)
         if "blake3:" + hasher.hexdigest() != entry.digest:
             raise IntegrityError(f"{self.what}: {name}: digest mismatch with {MANIFEST_NAME}")
-        self.on_written(path)
+        self.on_written(entry.size)

@@ -30,7 +30,6 @@ from kernelcache.store.digests import (
 )
 from kernelcache.store.fs import (
     fsync_dir,
-    fsync_file,
     fsync_tree_dirs,
     io_errors,
     lstat_refusing_symlink,
@@ -40,6 +39,7 @@ from kernelcache.store.fs import (
     regular_files,
     replace_synced,
     storage_error,
+    sync_filesystem,
     write_file_synced,
 )
 from kernelcache.store.history import (
@@ -421,11 +421,7 @@ class Writer:
                     f"not for {self.key}",
                     path=str(staging / MANIFEST_NAME),
                 )
-            files_root = staging / FILES_DIR
-            files, dirs = regular_files(files_root)
-            parallel(fsync_file, [files_root / rel for rel, _ in files], workers)
-            fsync_tree_dirs(files_root, dirs, workers)
-            fsync_dir(staging)
+            sync_filesystem(staging)  # every file and directory of it, in one call
             manifest, created_new = self._install(staging, manifest, None, workers)
         except BaseException:
             self._discard(staging)
