@@ -17,24 +17,19 @@ import io
 import json
 import platform
 import tarfile
-import zlib
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import suppress
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from kernelcache import contract
 from kernelcache.errors import (
-    IntegrityError,
-    KernelCacheError,
     ManifestError,
-    UnsafePathError,
     one_line,
 )
 from kernelcache.store.digests import FileEntry
 from kernelcache.store.fs import io_errors, open_regular, shareable_mode
-from kernelcache.store.layout import FILES_DIR, MANIFEST_NAME, SIGNATURE_NAME, path_problem
+from kernelcache.store.layout import FILES_DIR, MANIFEST_NAME, SIGNATURE_NAME
 from kernelcache.store.manifest import Manifest
 
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -408,161 +403,3 @@ def payload_digest(payload: bytes, source: str) -> str:
     if not isinstance(digest, str):
         raise ManifestError(f"{source}: critical.image.docker-manifest-digest: missing")
     return digest
-
-
-# --------------------------------------------------------------------------- reading layers
-
-
-class BlobReader(io.RawIOBase):
-    """A read-only stream over a blob's chunks that hashes and counts what it hands on, and
-    refuses to hand on more than ``limit`` bytes (a blob larger than its descriptor).
-
-    ``read`` hands on a whole chunk as it came when asked for at least that much (the tar
-    reader asks for its buffer's size, which is the chunks' size): no copy."""
-
-    def __init__(
-        self, chunks: Iterable[bytes], limit: int, on_excess: Callable[[], Exception]
-    ) -> None:
-        self._chunks = iter(chunks)
-        self._chunk, self._offset = b"", 0
-        self._limit, self._on_excess = limit, on_excess
-        self.hasher, self.size = hashlib.sha256(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def _fill(self) -> bool:
-        """The next chunk, hashed and counted, when the current one is used up."""
-        while self._offset == len(self._chunk):
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return False
-            self.hasher.update(chunk)
-            self.size += len(chunk)
-            if self.size > self._limit:
-                raise self._on_excess()
-            self._chunk, self._offset = bytes(chunk), 0
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        if not self._fill():
-            return b""
-        start, left = self._offset, len(self._chunk) - self._offset
-        n = left if size is None or size < 0 else min(size, left)
-        self._offset += n
-        if start == 0 and n == len(self._chunk):
-            return self._chunk
-        return self._chunk[start : start + n]
-
-    def readinto(self, target: Any) -> int:
-        data = self.read(len(target))
-        target[: len(data)] = data
-        return len(data)
-
-    def drain(self) -> None:
-        """Read what the tar reader left (the archive's zero padding), so all is hashed."""
-        while self.read():
-            pass
-
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.hasher.hexdigest()
-
-
-class _UncompressedHash(io.RawIOBase):
-    """Hashes what a gzip stream decompresses to (a layer's diff id)."""
-
-    def __init__(self, source: gziplib.GzipFile) -> None:
-        self._source, self.hasher = source, hashlib.sha256()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, target: Any) -> int:
-        n = self._source.readinto(target)
-        self.hasher.update(memoryview(target)[:n])
-        return int(n)
-
-    def drain(self) -> None:
-        while self.readinto(bytearray(1 << 16)):
-            pass
-
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.hasher.hexdigest()
-
-
-# Tar errors that mean the bytes are not a well-formed (or are a truncated) layer.
-_UNREADABLE = (tarfile.TarError, EOFError, zlib.error, gziplib.BadGzipFile)
-
-
-def read_layer(
-    chunks: Iterable[bytes],
-    layer: Descriptor,
-    diff_id: str,
-    what: str,
-    on_entry: Callable[[tarfile.TarInfo, BinaryIO | None], None],
-) -> None:
-    """Stream a layer's tar, handing each entry (a regular file with its content, or a
-    directory) to ``on_entry``, then check the blob's size and digest and its diff id.
-
-    Entries are used before the digest is known (one pass, no copy of the blob on disk); a
-    caller writes them only into a staging directory it discards on any failure. Every
-    entry is refused unless it is a regular file or a directory with a safe relative path
-    (UnsafePathError: a symlink, a hard link, a device, ``..``, an absolute path). When
-    anything fails, the rest of the blob is read and its digest checked first: a damaged
-    blob is reported as such, whatever it broke on the way.
-    """
-    reader = BlobReader(
-        chunks,
-        layer.size,
-        lambda: IntegrityError(f"{what}: larger than its descriptor's {layer.size} bytes"),
-    )
-    gzip = layer.media_type == LAYER_TAR_GZIP
-    uncompressed = _UncompressedHash(gziplib.GzipFile(fileobj=reader, mode="rb")) if gzip else None
-    stream: Any = uncompressed if uncompressed is not None else reader
-    try:
-        try:
-            with tarfile.open(fileobj=stream, mode="r|", bufsize=_TAR_BUFFER) as tar:
-                for member in tar:
-                    _check_entry(member, what)
-                    content = tar.extractfile(member) if member.isreg() else None
-                    on_entry(member, content)  # type: ignore[arg-type]
-            stream.drain()
-        except _UNREADABLE as exc:
-            raise IntegrityError(f"{what}: not a readable tar: {one_line(exc)}") from exc
-    except KernelCacheError as failure:
-        with suppress(KernelCacheError, *_UNREADABLE):
-            reader.drain()
-        _check_blob(reader, layer, what)
-        raise failure
-    reader.drain()
-    _check_blob(reader, layer, what)
-    actual = uncompressed.digest if uncompressed is not None else reader.digest
-    if actual != diff_id:
-        raise IntegrityError(
-            f"{what}: its tar's digest {actual} is not the config's diff id {diff_id}"
-        )
-
-
-_TAR_BUFFER = 1 << 20
-
-
-def _check_blob(reader: BlobReader, layer: Descriptor, what: str) -> None:
-    if reader.size != layer.size:
-        raise IntegrityError(f"{what}: truncated: {reader.size} of its {layer.size} bytes")
-    if reader.digest != layer.digest:
-        raise IntegrityError(f"{what}: digest mismatch: the registry served {reader.digest}")
-
-
-def _check_entry(member: tarfile.TarInfo, what: str) -> None:
-    name = member.name
-    if member.issym() or member.islnk():
-        kind = "a symlink" if member.issym() else "a hard link"
-        raise UnsafePathError(
-            f"{what}: {one_line(name)!r} is {kind} (to {one_line(member.linkname)!r})"
-        )
-    if not (member.isreg() or member.isdir()):
-        raise UnsafePathError(f"{what}: {one_line(name)!r} is not a regular file or directory")
-    if (problem := path_problem(name)) is not None:
-        raise UnsafePathError(f"{what}: {problem}: {one_line(name)!r}")

@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import blake3
 from cryptography.exceptions import InvalidSignature
@@ -43,6 +42,7 @@ from kernelcache.distribution.artifact import Descriptor, ImageManifest
 from kernelcache.distribution.auth import AuthLike, credentials_for
 from kernelcache.distribution.reference import Reference
 from kernelcache.distribution.registry import Client
+from kernelcache.distribution.tarstream import Content, read_layer
 from kernelcache.errors import (
     IntegrityError,
     ManifestError,
@@ -467,13 +467,13 @@ def _read_meta(
         raise ManifestError(f"{what}: {meta.size} bytes: not a layer of {MANIFEST_NAME} alone")
     found: dict[str, bytes] = {}
 
-    def collect(member: tarfile.TarInfo, content: BinaryIO | None) -> None:
+    def collect(member: tarfile.TarInfo, content: Content | None) -> None:
         if member.name not in artifact.META_FILES or content is None:
             only = " and ".join(artifact.META_FILES)
             raise IntegrityError(f"{what}: holds {member.name!r}, not only {only}")
         if member.name in found:
             raise IntegrityError(f"{what}: {member.name} appears twice")
-        found[member.name] = content.read()
+        found[member.name] = content.read_all()
 
     _fetch_layer(client, meta, diff_id, what, collect)
     if MANIFEST_NAME not in found:
@@ -546,10 +546,10 @@ def _fetch_layer(
     layer: Descriptor,
     diff_id: str,
     what: str,
-    on_entry: Callable[[tarfile.TarInfo, BinaryIO | None], None],
+    on_entry: Callable[[tarfile.TarInfo, Content | None], None],
 ) -> None:
     with client.blob(layer.digest, what) as chunks:
-        artifact.read_layer(chunks, layer, diff_id, what, on_entry)
+        read_layer(chunks, layer, diff_id, what, on_entry)
 
 
 class _Flusher:
@@ -592,7 +592,7 @@ class _FileWriter:
         self.written: set[str] = set()
         self.on_written: Callable[[int], object] = lambda size: None
 
-    def __call__(self, member: tarfile.TarInfo, content: BinaryIO | None) -> None:
+    def __call__(self, member: tarfile.TarInfo, content: Content | None) -> None:
         name = member.name
         inside = name == self.subtree or name.startswith(self.subtree + "/")
         if content is None:
