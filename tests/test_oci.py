@@ -148,6 +148,17 @@ def test_push_then_pull_is_byte_identical_and_skopeo_reads_the_artifact(
     )  # fmt: skip
     assert verified.returncode == 0, verified.stderr
 
+    # Pulled again: the store's CURRENT generation is the artifact's and verifies, so no
+    # layer is fetched and the generation stays the very directory it was.
+    inode = target.stat().st_ino
+    for layer in image["layers"]:  # what a fetch would now refuse
+        flip_byte(registry.blob_file(layer["digest"]), 600)
+    again_pulled = pull_cli(registry, ref, tmp_path / "b", "--public-key", str(keys.public))
+    assert again_pulled.returncode == 0, again_pulled.stderr
+    assert Store(tmp_path / "b").current(KEY) == target and target.stat().st_ino == inode
+    for layer in image["layers"]:
+        flip_byte(registry.blob_file(layer["digest"]), 600)  # restored
+
     # The same generation pushed again is the same artifact, and nothing is uploaded again.
     again = push(
         tmp_path / "a", KEY, repo, auth=registry.authfile, ca_file=registry.ca_file,

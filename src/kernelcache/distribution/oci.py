@@ -352,6 +352,8 @@ def pull(
     exit code of its class: a digest, size or content mismatch 5, a signature 6, a malformed
     manifest or config 7, a path or link escaping the generation 8, the registry unreachable
     or the store unwritable 10, a tag instead of a digest 2. ``keep``: as ``Writer.publish``.
+    When the key's CURRENT generation is already the artifact's and verifies whole, no
+    layer is fetched (a node's prefetch pulls the same digest again and again).
     """
     started = time.monotonic()
     reference, client, image, public = _open(ref, auth, ca_file, public_key, require_signature)
@@ -359,12 +361,23 @@ def pull(
     name = reference.with_digest(reference.digest)
     if key is not None and image.key != str(key):
         raise IntegrityError(f"{name}: an artifact of key {image.key}, not of {key}")
+    target = Store(os.fspath(store))
+    if (here := _already_current(target, image, public, require_signature, workers)) is not None:
+        return PullResult(
+            ref_digest=name,
+            key=here.key,
+            generation=here.generation,
+            gen_dir=target.key_dir(here.key) / here.generation,
+            files=len(here.files),
+            bytes=here.total_bytes,
+            signature_verified=public is not None,
+            seconds=time.monotonic() - started,
+        )
     config = _small_blob(client, image.config, f"{name}: config {image.config.digest}")
     diff_ids = artifact.parse_config(config, f"{name}: config", len(image.layers))
     meta = _read_meta(client, name, image, diff_ids[0], public)
     manifest = Manifest.parse(meta[MANIFEST_NAME], f"{name}: {MANIFEST_NAME}")
     _check_annotations(name, image, manifest)
-    target = Store(os.fspath(store))
     with target.writer(image.key) as writer:  # nothing in the store is touched before this
         staging = writer.staging().parent
         for file_name, content in meta.items():
@@ -388,6 +401,33 @@ def pull(
         signature_verified=public is not None,
         seconds=time.monotonic() - started,
     )
+
+
+def _already_current(
+    store: Store,
+    image: ImageManifest,
+    public: Ed25519PublicKey | None,
+    require_signature: bool,
+    workers: int | None,
+) -> Manifest | None:
+    """The store's CURRENT generation of the key when it is the artifact's and verifies
+    whole (with the key, if given): a node pulling what it holds fetches nothing. The
+    generation id is its content's address (the stamp's digest and every file's), so the
+    same id and stamp are the same generation."""
+    current = store.current(image.key)
+    if current is None or current.name != image.generation:
+        return None
+    checked = verify(
+        current,
+        key=image.key,
+        public_key=public,
+        require_signature=require_signature,
+        workers=workers,
+    )
+    manifest = checked.manifest
+    if not checked.ok or manifest is None or manifest.stamp.get("digest") != image.stamp:
+        return None
+    return manifest
 
 
 def _public_key(public_key: PublicKeyLike | None) -> Ed25519PublicKey | None:
