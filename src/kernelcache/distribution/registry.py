@@ -181,10 +181,14 @@ class Client:
 
     def _chunks(self, response: Any, what: str) -> Iterator[bytes]:
         import requests
+        import urllib3
 
+        # A blob is bytes as stored: read it as urllib3 receives it (decoding, with its copy
+        # into a buffer, only for a registry that sends it content-encoded).
+        encoded = response.headers.get("Content-Encoding", "identity").lower() != "identity"
         try:
-            yield from response.iter_content(READ_CHUNK)
-        except requests.exceptions.RequestException as exc:
+            yield from response.raw.stream(READ_CHUNK, decode_content=encoded)
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as exc:
             raise StorageError(f"{what}: the download broke off: {_reason(exc)}") from exc
 
 
