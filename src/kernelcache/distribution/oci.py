@@ -78,9 +78,9 @@ from kernelcache.store.writer import Store
 # than this is not one of ours.
 _SMALL_BLOB = 64 << 20
 _READ = 1 << 20
-# A pulled file is new (two entries of one name are refused), and never through a symlink.
 # Pulled bytes between two syncs of the store's filesystem while more arrive (``_Flusher``).
 _FLUSH_EVERY = 128 << 20
+# A pulled file is new (two entries of one name are refused), and never through a symlink.
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -124,9 +124,10 @@ def push(
     """Push the key's current generation (or ``generation``) to ``ref``
     (``registry/repository[:tag]``; the tag defaults to the generation id).
 
-    The generation must verify (its own signature too, when it has one and ``signing_key``
-    is not given). With ``signing_key`` the metadata layer carries MANIFEST.json's signature
-    by that key and the manifest digest is signed under cosign's tag scheme. ``ca_file``: the
+    The generation must verify (every file against its manifest: nothing damaged leaves the
+    store). With ``signing_key`` the metadata layer carries MANIFEST.json's signature by that
+    key and the manifest digest is signed under cosign's tag scheme; without, the
+    generation's own signature, if any, travels as it is. ``ca_file``: the
     CA bundle the registry's certificate must chain to (default: the system's). Failures are
     KernelCacheErrors of their class: a missing generation (3), one that does not verify
     (5–8), a registry unreachable or refusing the credentials (10), a bad reference (2).
@@ -196,13 +197,14 @@ def _build_layers(
     layer per subtree of files/, built in parallel."""
     meta = scratch / "meta"
     meta.mkdir()
-    data = read_regular(gen_dir / MANIFEST_NAME)
-    write_file_synced(meta / MANIFEST_NAME, data)
+    with io_errors(gen_dir):
+        data = read_regular(gen_dir / MANIFEST_NAME)
+        write_file_synced(meta / MANIFEST_NAME, data)
+        if signer is not None:
+            write_file_synced(meta / SIGNATURE_NAME, signature_bytes(signer, data))
+        elif (gen_dir / SIGNATURE_NAME).is_file():
+            write_file_synced(meta / SIGNATURE_NAME, read_regular(gen_dir / SIGNATURE_NAME))
     names = [MANIFEST_NAME]
-    if signer is not None:
-        write_file_synced(meta / SIGNATURE_NAME, signature_bytes(signer, data))
-    elif (gen_dir / SIGNATURE_NAME).is_file():
-        write_file_synced(meta / SIGNATURE_NAME, read_regular(gen_dir / SIGNATURE_NAME))
     if (meta / SIGNATURE_NAME).exists():
         names.append(SIGNATURE_NAME)
     jobs = [(meta, names, artifact.META_LAYER)] + [
@@ -249,7 +251,7 @@ def _push_signature(
             "rootfs": {"type": "layers", "diff_ids": [payload_desc.digest]},
         }
     )
-    config_desc = Descriptor(artifact.CONFIG_MEDIA_TYPE, artifact.digest_of(config), len(config))
+    config_desc = artifact.descriptor_of(config, artifact.CONFIG_MEDIA_TYPE)
     for name, blob, descriptor in (
         ("payload", payload, payload_desc),
         ("config", config, config_desc),
