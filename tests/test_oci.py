@@ -229,9 +229,9 @@ def replace_layer(pushed: Pushed, index: int, tar_bytes: bytes, tag: str) -> str
     return pushed.republish(tag, image, config)
 
 
-def tar_of(*entries: tuple[tarfile.TarInfo, bytes]) -> bytes:
+def tar_of(*entries: tuple[tarfile.TarInfo, bytes], form: int = tarfile.PAX_FORMAT) -> bytes:
     out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with tarfile.open(fileobj=out, mode="w", format=form) as tar:
         for info, data in entries:
             tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
     return out.getvalue()
@@ -243,8 +243,11 @@ def entry(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str
     return info, data
 
 
-def triton_layer(pushed: Pushed, *extra: tuple[tarfile.TarInfo, bytes]) -> bytes:
-    """The triton layer as pushed, with ``extra`` entries appended."""
+def triton_layer(
+    pushed: Pushed, *extra: tuple[tarfile.TarInfo, bytes], form: int = tarfile.PAX_FORMAT
+) -> bytes:
+    """The triton layer as pushed, with ``extra`` entries appended (long names written as
+    ``form`` writes them: PAX records, or GNU long-name entries)."""
     index = next(
         i for i, layer in enumerate(pushed.image["layers"])
         if layer["annotations"][contract.OCI_ANNOTATION_LAYER] == "files/triton"
@@ -252,7 +255,7 @@ def triton_layer(pushed: Pushed, *extra: tuple[tarfile.TarInfo, bytes]) -> bytes
     original = pushed.blob(index).read_bytes()
     with tarfile.open(fileobj=io.BytesIO(original)) as tar:
         kept = [(m, tar.extractfile(m).read() if m.isreg() else b"") for m in tar]  # type: ignore[union-attr]
-    return tar_of(*kept, *extra)
+    return tar_of(*kept, *extra, form=form)
 
 
 def flip_byte(path: Path, at: int) -> None:
@@ -310,9 +313,12 @@ def _annotation_lies(name: str, value: str) -> Callable[[Pushed], str]:
     return tamper
 
 
-def _layer_with(*extra: tuple[tarfile.TarInfo, bytes]) -> Callable[[Pushed], str]:
+def _layer_with(
+    *extra: tuple[tarfile.TarInfo, bytes], form: int = tarfile.PAX_FORMAT
+) -> Callable[[Pushed], str]:
     def tamper(p: Pushed) -> str:
-        return replace_layer(p, layer_index(p, "files/triton"), triton_layer(p, *extra), "bad")
+        layer = triton_layer(p, *extra, form=form)
+        return replace_layer(p, layer_index(p, "files/triton"), layer, "bad")
 
     return tamper
 
@@ -372,6 +378,14 @@ CASES = {
     ),
     "path escaping the generation": Case(
         _layer_with(entry("files/triton/../../../../escaped", b"x")),
+        ExitCode.UNSAFE_PATH,
+        "'..' segment",
+    ),
+    "path escaping through a GNU long name": Case(
+        _layer_with(
+            entry("files/triton/" + "d/" * 60 + "../" * 70 + "escaped", b"x"),
+            form=tarfile.GNU_FORMAT,
+        ),
         ExitCode.UNSAFE_PATH,
         "'..' segment",
     ),
