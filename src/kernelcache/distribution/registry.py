@@ -5,7 +5,8 @@ What this layer adds and why: manifests are sent and read as bytes (oras-py re-s
 dict, and a manifest's digest is that of its exact bytes); requests are not retried with
 oras-py's backoff (minutes before an unreachable registry is reported); credentials are
 sent from the first request (a basic-auth registry would otherwise see every body twice);
-every failure becomes one line of its exit class.
+blobs are read as urllib3 receives them (its decoding buffer copies every byte); every
+failure becomes one line of its exit class.
 """
 
 from __future__ import annotations
