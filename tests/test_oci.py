@@ -304,10 +304,14 @@ def _manifest_bytes_altered(p: Pushed) -> str:
     return p.ref.with_digest(p.digest)
 
 
-def _annotation_lies(name: str, value: str) -> Callable[[Pushed], str]:
+def _annotation_lies(name: str, value: str | None) -> Callable[[Pushed], str]:
+    """The manifest with one annotation changed (None: removed)."""
+
     def tamper(p: Pushed) -> str:
         image = json.loads(json.dumps(p.image))
         image["annotations"][name] = value
+        if value is None:
+            del image["annotations"][name]
         return p.republish("lying", image)
 
     return tamper
@@ -376,6 +380,11 @@ CASES = {
         ExitCode.INTEGRITY,
         f"annotation {contract.OCI_ANNOTATION_GENERATION} says {'0' * 32}",
     ),
+    "an image without the key annotation": Case(
+        _annotation_lies(contract.OCI_ANNOTATION_KEY, None),
+        ExitCode.MALFORMED_MANIFEST,
+        f"annotation {contract.OCI_ANNOTATION_KEY}: missing (not a kernelcache generation)",
+    ),
     "path escaping the generation": Case(
         _layer_with(entry("files/triton/../../../../escaped", b"x")),
         ExitCode.UNSAFE_PATH,
@@ -442,6 +451,15 @@ def test_a_tampered_artifact_is_refused_and_the_store_left_as_it_was(
     assert sorted(os.listdir(key_dir)) == before  # no staging left, nothing new published
     assert verify(old, key=KEY, public_key=keys.public).ok
     assert not (tmp_path / "target" / "ns" / "other").exists()  # a lying key made nothing
+
+
+def test_pull_refuses_an_artifact_of_another_key_than_asked(
+    registry: Registry, pushed_once: str, tmp_path: Path
+) -> None:
+    refused = pull_cli(registry, pushed_once, tmp_path / "s", "--key", "ns/other/sm_90a")
+    assert refused.returncode == ExitCode.INTEGRITY
+    assert f"an artifact of key {KEY}, not of ns/other/sm_90a" in one_line_error(refused)
+    assert not (tmp_path / "s").exists()
 
 
 def test_pull_takes_a_digest_not_a_tag(registry: Registry, tmp_path: Path) -> None:
