@@ -4,7 +4,9 @@ one-line StorageError every OSError becomes."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import os
 import secrets
 import stat
@@ -70,6 +72,31 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def sync_filesystem(path: Path) -> None:
+    """Make everything written to path's filesystem durable, in one call: syncfs(2), or
+    sync(2) where the C library has no syncfs.
+
+    For a tree of many new files: an fsync per file waits for a journal commit each, which on
+    a busy disk cost more than the download that wrote them (a pull of 782 files).
+    """
+    with io_errors(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            syncfs = getattr(_libc(), "syncfs", None)
+            if syncfs is None:
+                os.sync()
+            elif syncfs(fd) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, os.strerror(error), os.fspath(path))
+        finally:
+            os.close(fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def replace_synced(path: Path, data: bytes, tmp_prefix: str) -> None:
