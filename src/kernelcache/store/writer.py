@@ -482,7 +482,9 @@ class Writer:
             if signed:
                 log.warning(
                     "not signing %s: unsigned, while %s is signed (signing was on: it may "
-                    "have been edited)", gen_dir, signed[0]
+                    "have been edited)",
+                    gen_dir,
+                    signed[0],
                 )
                 return None
         else:
@@ -490,7 +492,9 @@ class Writer:
             if made_by is None:
                 log.warning(
                     "not signing %s: its signature %s (a key being rotated out is trusted "
-                    "only when given as a public key)", gen_dir, mismatch
+                    "only when given as a public key)",
+                    gen_dir,
+                    mismatch,
                 )
                 return None
             if fingerprint(made_by) == fingerprint(key):
@@ -577,9 +581,7 @@ class Writer:
         fsync_dir(self.key_dir)
         return manifest, True
 
-    def _resign(
-        self, gen_dir: Path, checked: VerifyResult, signing_key: Ed25519PrivateKey
-    ) -> None:
+    def _resign(self, gen_dir: Path, checked: VerifyResult, signing_key: Ed25519PrivateKey) -> None:
         """Sign a kept generation's manifest, the very bytes just verified, atomically."""
         assert checked.ok and checked.manifest_bytes is not None
         replace_synced(
