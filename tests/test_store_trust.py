@@ -24,7 +24,6 @@ import sys
 import typing
 from pathlib import Path
 
-import blake3
 import pytest
 import yaml
 
@@ -34,10 +33,8 @@ from kernelcache.initcontainer import Options, run
 from kernelcache.store import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
-    FileEntry,
     Store,
     generate_keypair,
-    generation_id,
     load_public_key,
     materialize,
     verify,
@@ -46,19 +43,9 @@ from kernelcache.store.manifest import load_manifest
 from kernelcache.store.signing import load_private_key, signature_bytes
 from tests.conftest import SCHEMAS, checked, kernelcache_doc, one_line_error, run_kernelcache
 from tests.helpers import generations
+from tests.helpers.trust import KERNEL, forge, warmer
 
 KEY = "default/kc/sm_90a"
-KERNEL = "triton/k.bin"  # what the command warmer writes, under files/
-
-
-def warmer(version: str) -> dict[str, object]:
-    """A command warmer writing one kernel and counting its runs (a compile) in a file."""
-    code = (
-        "import os, pathlib; "
-        f"pathlib.Path(os.environ['TRITON_CACHE_DIR'], 'k.bin').write_text('kernel {version}'); "
-        "open(os.environ['KC_TEST_RUNS'], 'a').write('run\\n')"
-    )
-    return {"type": "command", "command": [sys.executable, "-c", code]}
 
 
 class Builds:
@@ -102,26 +89,6 @@ def builds(tmp_path: Path) -> Builds:
 
 def keys(directory: Path) -> tuple[Path, Path]:
     return generate_keypair(directory)
-
-
-def forge(gen_dir: Path, rel: str, data: bytes) -> Path:
-    """An attacker's edit of a kept generation, not signed: the file changed and the
-    manifest rewritten to match it (digest, checksum, generation id), under the new id, in
-    place of the original."""
-    manifest = load_manifest(gen_dir)
-    digest = "blake3:" + blake3.blake3(data).hexdigest()
-    files = tuple(
-        FileEntry(e.path, len(data), digest) if e.path == rel else e for e in manifest.files
-    )
-    forged = dataclasses.replace(
-        manifest, files=files, generation=generation_id(manifest.stamp["digest"], files)
-    )
-    dst = gen_dir.parent / forged.generation
-    shutil.copytree(gen_dir / "files", dst / "files")
-    (dst / "files" / rel).write_bytes(data)
-    (dst / MANIFEST_NAME).write_bytes(forged.to_bytes())
-    shutil.rmtree(gen_dir)
-    return dst
 
 
 # --------------------------------------------------------------------------- re-pointing

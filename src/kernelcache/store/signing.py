@@ -52,7 +52,6 @@ _KEY_KINDS: dict[str, tuple[type[object], Callable[[bytes], object], Callable[[b
 def _load_keys(path: str | os.PathLike[str], what: str) -> list[object]:
     """The keys of a PEM file (one or more blocks) or of a file of exactly 32 raw bytes; any
     failure names the path."""
-    kind, from_pem, from_raw = _KEY_KINDS[what]
     name = os.fsdecode(path)
     try:
         data = Path(path).read_bytes()
@@ -60,6 +59,11 @@ def _load_keys(path: str | os.PathLike[str], what: str) -> list[object]:
         raise SignatureError(
             f"{name}: cannot read {what} key: {one_line(exc.strerror or exc)}", path=name
         ) from exc
+    return _parse_keys(data, name, what)
+
+
+def _parse_keys(data: bytes, name: str, what: str) -> list[object]:
+    kind, from_pem, from_raw = _KEY_KINDS[what]
     try:
         if data.lstrip().startswith(b"-----BEGIN"):
             blocks = _PEM_BLOCK.findall(data.strip() + b"\n")
@@ -79,9 +83,16 @@ def _load_keys(path: str | os.PathLike[str], what: str) -> list[object]:
 
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """An ed25519 private key from a PEM (PKCS#8, unencrypted) file or 32 raw bytes."""
-    keys = _load_keys(path, "private")
+    return _one_private(_load_keys(path, "private"), os.fsdecode(path))
+
+
+def parse_private_key(data: bytes, source: str) -> Ed25519PrivateKey:
+    """``load_private_key`` of bytes read elsewhere (a Secret's value); errors name source."""
+    return _one_private(_parse_keys(data, source, "private"), source)
+
+
+def _one_private(keys: list[object], name: str) -> Ed25519PrivateKey:
     if len(keys) != 1:
-        name = os.fsdecode(path)
         raise SignatureError(f"{name}: holds {len(keys)} private keys, not one", path=name)
     return cast(Ed25519PrivateKey, keys[0])
 
@@ -90,6 +101,11 @@ def load_public_keys(path: str | os.PathLike[str]) -> tuple[Ed25519PublicKey, ..
     """The ed25519 public keys (PEM SubjectPublicKeyInfo blocks, or 32 raw bytes) of a file:
     every one of them is trusted."""
     return tuple(cast(Ed25519PublicKey, key) for key in _load_keys(path, "public"))
+
+
+def parse_public_keys(data: bytes, source: str) -> tuple[Ed25519PublicKey, ...]:
+    """``load_public_keys`` of bytes read elsewhere (a Secret's value); errors name source."""
+    return tuple(cast(Ed25519PublicKey, key) for key in _parse_keys(data, source, "public"))
 
 
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
