@@ -451,7 +451,8 @@ def test_a_manifest_and_signature_swapped_during_verify_materialize_as_a_pair(
         assert result.ok, f"{copy}: {result.problems[0].message}"
     variants = {(c / MANIFEST_NAME).read_bytes() for c in copies}
     assert swaps > 40 and len(copies) + refused == 40
-    assert len(variants) == 2, "both manifests were materialized: the swap ran during verify"
+    # The swap reached verify: a pair read mid-swap was refused, or both were materialized.
+    assert refused or len(variants) == 2, (refused, len(variants))
 
 
 def test_materialize_needs_a_result_that_verified(signed: tuple[Path, Path, Path]) -> None:
