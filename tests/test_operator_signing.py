@@ -264,3 +264,48 @@ def test_key_rotation_through_the_operator_keeps_pods_starting_with_no_compile(
         assert code == 0, message
         assert kubelet.compiles() == 2  # nothing it could vouch for: compiled anew
     shutil.rmtree(kubelet.store, ignore_errors=True)
+
+
+def test_signing_status_is_pure_and_keeps_its_transition_times(tmp_path: Path) -> None:
+    """``SignatureTrusted`` from the Secret's data and the arches' ``signedBy``: no public
+    key, an unusable one, a foreign signer; an unchanged status keeps its times."""
+    from datetime import datetime, timedelta, timezone
+
+    from kernelcache.controller import signing
+
+    kc = parse_kernelcache(signed_demo("v1"), "demo")
+    priv, pub = generate_keypair(tmp_path / "k")
+    fp = fingerprint(load_private_key(priv))
+    data = {
+        SIGNING_KEY_FILE: base64.b64encode(priv.read_bytes()).decode(),
+        PUBLIC_KEY_FILE: base64.b64encode(pub.read_bytes()).decode(),
+    }
+    arch = {"arch": ARCH, "phase": "Ready", "generation": "g1", "signedBy": fp}
+    ready = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    status = {"arches": [arch], "conditions": [ready]}
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+    held = signing.with_trust(kc, status, data, {}, now)
+    (trusted,) = [c for c in held["conditions"] if c["type"] == signing.CONDITION]
+    assert trusted["status"] == "True" and trusted["message"] == f"pods trust {fp}"
+    again = signing.with_trust(kc, status, data, held, now + timedelta(hours=1))
+    assert again == held  # nothing changed: nothing to write
+
+    foreign = {**arch, "signedBy": "ed25519:" + "0" * 16}
+    refused = signing.with_trust(kc, {**status, "arches": [foreign]}, data, held, now)
+    kinds = {c["type"]: c for c in refused["conditions"]}
+    assert kinds[signing.CONDITION]["reason"] == "SignedByAnotherKey"
+    assert "would refuse" in kinds[signing.CONDITION]["message"]
+    assert kinds["Ready"]["status"] == "False" and signing.stale(foreign, data)
+    assert not signing.stale(arch, data)
+
+    for broken, reason in (({}, "NoPublicKey"), ({PUBLIC_KEY_FILE: "bm90IGEga2V5"}, "NoPublicKey")):
+        (c,) = [
+            c
+            for c in signing.with_trust(kc, status, broken, {}, now)["conditions"]
+            if c["type"] == signing.CONDITION
+        ]
+        assert (c["status"], c["reason"]) == ("False", reason)
+    unsigned = parse_kernelcache(example(name="plain"), "plain")
+    assert signing.with_trust(unsigned, status, None, {}, now) == status
+    assert signing.job_identity(data) != signing.job_identity({**data, "x": "y"})
