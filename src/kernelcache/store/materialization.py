@@ -126,7 +126,7 @@ def _check_target(target: Path, gen_dir: Path) -> None:
     real = target.resolve()
     for path in (real, *real.parents):
         if path == store_root or any(
-            (path / name).exists() for name in (CURRENT_NAME, MANIFEST_NAME)
+            os.path.lexists(path / name) for name in (CURRENT_NAME, MANIFEST_NAME)
         ):
             raise UnsafePathError(
                 f"{target}: lies in a store ({path}); materialize outside it", path=str(target)
@@ -159,7 +159,7 @@ def _store_root(gen_dir: Path) -> Path:
     """The root of the store a generation lies in (<root>/<ns>/<name>/<arch>/<id>), or its
     own directory when it lies in none."""
     real = gen_dir.resolve()
-    if (real.parent / CURRENT_NAME).exists() and len(real.parents) > 4:
+    if os.path.lexists(real.parent / CURRENT_NAME) and len(real.parents) > 4:
         return real.parents[3]
     return real
 
