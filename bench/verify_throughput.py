@@ -92,6 +92,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--copy-to",
+        type=Path,
+        help="make the copies under this directory (e.g. a tmpfs, as an emptyDir of medium "
+        "Memory; default: beside the store)",
+    )
     args = parser.parse_args()
     ncpu = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="kc-verify-bench-") as tmp:
@@ -135,11 +141,11 @@ def main() -> int:
                 best_of(args.repeat, lambda: verify_pinned(gen, ncpu, None)) - startup,
             )
         )
-        work = Path(tmp) / "copies"
-        work.mkdir()
+        work = Path(tempfile.mkdtemp(prefix="kc-copies-", dir=args.copy_to or tmp))
         cp, materialized = timed_copies(args.repeat, gen, work, ncpu)
         materialized -= startup
         rows.append(("cp -r, 1 thread, no hash", cp))
+        shutil.rmtree(work, ignore_errors=True)
         rows.append((f"kernelcache verify + materialize, {ncpu} cores", materialized))
     print(f"{count} files, {total / 1e9:.2f} GB (page cache warm, best of {args.repeat})")
     print(f"{'':32} {'seconds':>8} {'GB/s':>7}")
