@@ -75,6 +75,9 @@ USED: list[tuple[str, str, set[str], str]] = [
     ("", "nodes", {"list", "watch"}, "all"),
     # create: kopf.event in main._post and main.delete (and kopf's own handler events).
     ("", "events", {"create"}, "all"),
+    # get: controller.signing reads the signing Secret a KernelCache names (reconcile);
+    # list/watch: the secret_changed handler (main) follows a rotated key.
+    ("", "secrets", {"get", "list", "watch"}, "all"),
     # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).
     ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}, "all"),
     # list/watch: kopf's namespace observation when given namespaces (falls back if denied).
