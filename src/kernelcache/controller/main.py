@@ -170,26 +170,14 @@ def job_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: An
     _post(reconcile_job_owner(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
 
 
-@kopf.index(*KC)
-def signing_secrets(
-    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
-) -> dict[tuple[str, str], str]:
-    """KernelCaches by the signing Secret they name, kept from the watch."""
-    signing = (spec.get("verification") or {}).get("signing") or {}
-    secret = signing.get("secretName") if signing.get("enabled") else None
-    return {(namespace, secret): name} if secret and namespace else {}
-
-
 @kopf.on.event("", "v1", "secrets")
 def secret_changed(
     type: str | None, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    """A signing Secret changed: reconcile the KernelCaches that name it."""
-    index: kopf.Index[tuple[str, str], str] = kwargs["signing_secrets"]
-    if type is None or namespace is None or (namespace, name) not in index:
-        return  # the initial listing (resuming each KernelCache covers it), or not ours
-    users = index[(namespace, name)]
-    for done in reconcile_secret_users(memo.kube, CONFIG, namespace, users, _jobs_of(kwargs)):
+    """A Secret changed: reconcile the KernelCaches that sign with it (a rotated key)."""
+    if type is None or namespace is None:
+        return  # the initial listing: resuming each KernelCache covers it
+    for done in reconcile_secret_users(memo.kube, CONFIG, namespace, name, _jobs_of(kwargs)):
         _post(done)
 
 

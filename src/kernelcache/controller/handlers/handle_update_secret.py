@@ -7,7 +7,7 @@ whether pods trust what is published meanwhile (``controller.signing``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import Any
 
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
@@ -15,20 +15,24 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     Reconciled,
     reconcile_kernelcache,
 )
-from kernelcache.controller.kube import ApiError, Kube, kernelcache_path
+from kernelcache.controller.kube import Kube, kernelcache_path
 
 
 def reconcile_secret_users(
-    kube: Kube, config: OperatorConfig, namespace: str, caches: Iterable[str], jobs_of: JobsOf
+    kube: Kube, config: OperatorConfig, namespace: str, secret: str, jobs_of: JobsOf
 ) -> list[Reconciled]:
-    """Reconcile each named KernelCache of the namespace that still exists."""
-    done = []
-    for name in sorted(set(caches)):
-        try:
-            body = kube.get(kernelcache_path(namespace, name))
-        except ApiError as exc:
-            if exc.status == 404:
-                continue
-            raise
-        done.append(reconcile_kernelcache(kube, config, body, jobs_of))
-    return done
+    """Reconcile each KernelCache of the namespace whose signing Secret is ``secret``.
+
+    Listed on the event, not kept in an index: Secrets change rarely, KernelCaches often,
+    and an index would run on every KernelCache event.
+    """
+    return [
+        reconcile_kernelcache(kube, config, body, jobs_of)
+        for body in kube.list(kernelcache_path(namespace))
+        if _signs_with(body, secret)
+    ]
+
+
+def _signs_with(body: dict[str, Any], secret: str) -> bool:
+    signing = ((body.get("spec") or {}).get("verification") or {}).get("signing") or {}
+    return bool(signing.get("enabled")) and signing.get("secretName") == secret
