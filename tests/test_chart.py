@@ -54,7 +54,8 @@ CUSTOM_KINDS = {
 # it: "all" in both, "cluster" when watching every namespace, "namespaced" otherwise).
 USED: list[tuple[str, str, set[str], str]] = [
     # get: handle_reconcile_kernelcache (re-read on conflict), handle_update_job (the Job's
-    # owner), webhook.lookup (the pod's KernelCache); list/watch: kopf's watch behind
+    # owner), webhook.lookup (the pod's KernelCache); list: handle_update_secret (those
+    # signing with a changed Secret); list/watch: kopf's watch behind
     # main.reconcile/delete; patch: kopf's finalizer and progress annotations.
     ("kernelcache.dev", "kernelcaches", {"get", "list", "watch", "patch"}, "all"),
     # patch: handle_reconcile_kernelcache writes observed state to .../status.
@@ -80,6 +81,9 @@ USED: list[tuple[str, str, set[str], str]] = [
     # list: a compile pod's Warning events, when its status does not say why it cannot start
     # (handle_reconcile_kernelcache._stuck).
     ("", "events", {"create", "list"}, "all"),
+    # get: controller.signing reads the signing Secret a KernelCache names (reconcile);
+    # list/watch: the secret_changed handler (main) follows a rotated key.
+    ("", "secrets", {"get", "list", "watch"}, "all"),
     # list/watch: kopf's runtime discovery of CRDs (kopf._core.reactor.observation).
     ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}, "all"),
     # list/watch: kopf's namespace observation when given namespaces (falls back if denied).

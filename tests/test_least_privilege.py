@@ -618,7 +618,11 @@ def test_rbac_grants_exactly_what_the_operator_calls(tmp_path: Path) -> None:
     drop_data = {"deleteDataOnDelete": True}
     own = kernelcache_doc("own-claim", namespace, retention=drop_data)
     shared = kernelcache_doc(
-        "shared-claim", namespace, storage={"existingClaim": "shared"}, retention=drop_data
+        "shared-claim",
+        namespace,
+        storage={"existingClaim": "shared"},
+        retention=drop_data,
+        verification={"signing": {"enabled": True, "secretName": "keys"}},  # read, watched
     )
     with api_harness(tmp_path) as api:
         api.emulator.before = record

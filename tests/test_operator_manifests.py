@@ -133,9 +133,11 @@ def test_compile_job_takes_resources_digest_signing_and_attempt() -> None:
     assert job["metadata"]["name"].endswith("-r1")
     assert container["image"] == "img:1@sha256:" + "a" * 64
     assert container["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
-    assert container["command"][-2:] == [
+    assert container["command"][-4:] == [
         "--signing-key",
         "/etc/kernelcache/signing/kernelcache.key",
+        "--public-key",  # what pods trust: the signing key must be one of them
+        "/etc/kernelcache/signing/kernelcache.pub",
     ]
     assert "--store" in container["command"] and "/cache" in container["command"]
     volumes = {v["name"]: v for v in pod["volumes"]}

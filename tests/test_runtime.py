@@ -31,7 +31,7 @@ from kernelcache.contract import Settings
 from kernelcache.errors import ExitCode, SpecError
 from kernelcache.runtime import metrics
 from kernelcache.runtime.imports import when_imported
-from kernelcache.store import Store, materialize
+from kernelcache.store import Store, materialize, verify
 from kernelcache.toolchains import inductor
 from kernelcache.toolchains.flashinfer import BuildLogTail
 from tests.conftest import (
@@ -367,8 +367,8 @@ def test_when_imported_survives_a_find_spec_probe_before_the_import(tmp_path, mo
 @pytest.fixture(scope="module")
 def cute_generation(tmp_path_factory, demo_build: DemoBuild) -> Path:
     """The example spec built for sm_90a and materialized, as the init-container leaves it."""
-    manifest = Store(demo_build.store).current_manifest(demo_build.key)
-    return materialize(demo_build.generation, manifest, tmp_path_factory.mktemp("cute") / "serve")
+    serve = tmp_path_factory.mktemp("cute") / "serve"
+    return materialize(verify(demo_build.generation), serve)
 
 
 @needs_cute
@@ -716,7 +716,7 @@ def test_processes_started_by_a_serving_process_read_the_relocated_triton_cache(
         f"sys.exit(subprocess.run({child!r}, env=env).returncode)\n"
     )
     for manager in ("inherited", "stock"):
-        generation = materialize(published, manifest, tmp_path / manager)
+        generation = materialize(verify(published), tmp_path / manager)
         (group,) = (generation / "files" / "triton").glob("*/__grp__vector_add.json")
         written = group.read_bytes()
         proc = subprocess.run(

@@ -270,15 +270,19 @@ def test_retention_orders_by_when_each_generation_was_last_current(store: Store)
 def test_make_current_again_points_current_at_a_kept_generation_of_the_stamp(
     store: Store, tmp_path: Path
 ) -> None:
-    """No files are staged: the kept generation is verified, re-signed, made current, and
-    old generations collected as a publish does."""
+    """No files are staged: the kept generation is verified (its signature too), re-signed
+    with the key being rotated in, made current, and old generations collected as a publish
+    does."""
+    old_priv, old_pub = generate_keypair(tmp_path / "old")
     priv, pub = generate_keypair(tmp_path / "keys")
-    a = publish(store, random_files(1), label="a", keep=5)
-    b = publish(store, random_files(2), label="b", keep=5)
+    a = publish(store, random_files(1), label="a", keep=5, signing_key=old_priv)
+    b = publish(store, random_files(2), label="b", keep=5, signing_key=old_priv)
     with store.writer(KEY) as writer:
         assert writer.make_current_again(stamp("other")["digest"]) is None
         assert store.current(KEY).name == b.generation
-        again = writer.make_current_again(a.stamp["digest"], signing_key=priv, keep=0)
+        again = writer.make_current_again(
+            a.stamp["digest"], signing_key=priv, keep=0, trusted=[load_public_key(old_pub)]
+        )
     assert again == a
     assert store.current(KEY).name == a.generation
     assert verify(store.current(KEY), key=KEY, public_key=pub, require_signature=True).ok
@@ -723,7 +727,7 @@ def test_materialize_copies_exactly(store: Store, tmp_path: Path) -> None:
     assert result.manifest is not None
     target = tmp_path / "target"
 
-    out = materialize(gen_dir, result.manifest, target, workers=4)
+    out = materialize(result, target, workers=4)
 
     assert out == target / result.manifest.generation
     assert sorted(os.listdir(target)) == [result.manifest.generation]
@@ -732,14 +736,13 @@ def test_materialize_copies_exactly(store: Store, tmp_path: Path) -> None:
         assert (out / "files" / rel).read_bytes() == data
     assert (out / MANIFEST_NAME).read_bytes() == (gen_dir / MANIFEST_NAME).read_bytes()
     assert verify(out).ok
-    assert materialize(gen_dir, result.manifest, target) == out  # idempotent
+    assert materialize(result, target) == out  # copied afresh to the same place
 
 
 def test_materialize_of_a_corrupted_source_leaves_nothing(store: Store, tmp_path: Path) -> None:
     publish(store, random_files(1))
     gen_dir = store.current(KEY)
-    manifest = verify(gen_dir).manifest
-    assert manifest is not None
+    checked = verify(gen_dir, digests=False)
     bad = gen_dir / "files" / "flashinfer/big.so"
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -747,7 +750,7 @@ def test_materialize_of_a_corrupted_source_leaves_nothing(store: Store, tmp_path
     target = tmp_path / "target"
 
     with pytest.raises(IntegrityError) as err:
-        materialize(gen_dir, manifest, target)
+        materialize(checked, target)
 
     assert str(err.value) == f"{bad}: digest mismatch"
     assert os.listdir(target) == []
@@ -758,7 +761,7 @@ def test_materialize_replaces_an_incomplete_copy(store: Store, tmp_path: Path) -
     stale = tmp_path / "target" / manifest.generation
     (stale / "files").mkdir(parents=True)
     (stale / "files" / "junk").write_bytes(b"junk")  # no .complete: not to be trusted
-    out = materialize(store.current(KEY), manifest, tmp_path / "target")
+    out = materialize(verify(store.current(KEY)), tmp_path / "target")
     assert out == stale
     assert verify(out).ok
 
@@ -826,7 +829,7 @@ def test_materialized_files_are_readable_by_all_whatever_the_store_holds(
     assert result.ok, result.problems
     assert result.manifest is not None
     with umask(0o077):
-        out = materialize(gen_dir, result.manifest, tmp_path / "target")
+        out = materialize(result, tmp_path / "target")
     for rel, mode in modes(out).items():
         is_dir = (out / rel).is_dir()
         assert mode == (0o755 if is_dir else 0o644), (rel, oct(mode))

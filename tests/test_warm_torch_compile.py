@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kernelcache.errors import ExitCode
-from kernelcache.store import Manifest, Store, materialize
+from kernelcache.store import Manifest, Store, materialize, verify
 from kernelcache.toolchains.inductor import MAX_REPLAYS
 from tests.conftest import EXAMPLES, serve_python, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
@@ -145,7 +145,7 @@ def test_build_keeps_the_megacache_and_a_fresh_process_loading_it_compiles_nothi
 def build_and_materialize(tmp_path: Path, workload: dict[str, Any], arch: str) -> Path:
     """Build, then copy the generation out as the init-container does, elsewhere than the
     warm's staging dir (gone once published, as on another node)."""
-    return materialize(*build(tmp_path, workload, arch), tmp_path / "serve")
+    return materialize(verify(build(tmp_path, workload, arch)[0]), tmp_path / "serve")
 
 
 def serve_from_generation(
@@ -170,7 +170,9 @@ def test_serving_reads_the_generations_inductor_cache_without_reloading_the_blob
     over what the replays wrote). The blob is damaged here to show whether it was read: served
     from the generation's own cache, nothing notices; pointed at a cache dir of the user's,
     the runtime loads the blob, torch says it cannot, and the model compiles."""
-    generation = materialize(*cpu_build, tmp_path / "serve")  # off the staging dir, as a pod
+    generation = materialize(
+        verify(cpu_build[0]), tmp_path / "serve"
+    )  # off the staging dir, as a pod
     blob = generation / "files" / "torch-compile" / "megacache.bin"
     blob.write_bytes(blob.read_bytes()[:100])
 

@@ -2,14 +2,17 @@
 
 ``warm_arch`` is what one compile Job runs (``kernelcache warm``): it takes the key's writer
 lock, re-checks whether the current generation already has this stamp (two builders of one
-key produce one generation), points CURRENT back at a kept generation that has it (a
-reverted spec or image: nothing compiled), else warms into a staging dir and publishes.
+key produce one generation; with a signing key it must also verify in full and be signed by
+it, else it is re-signed or, when it cannot be vouched for, compiled anew), points CURRENT
+back at a kept generation that has it (a reverted spec or image: nothing compiled; with a
+signing key only one whose signature verifies), else warms into a staging dir and publishes.
 ``build`` runs ``kernelcache warm`` once per arch, each in its own process, because
 ``CUTE_DSL_ARCH`` is read when the DSL is imported.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import os
@@ -17,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +29,9 @@ from kernelcache import progress
 from kernelcache import stamp as stamps
 from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
-from kernelcache.errors import ExitCode, StorageError, one_line
+from kernelcache.errors import ExitCode, SignatureError, StorageError, one_line
 from kernelcache.spec import KernelCache
-from kernelcache.store import Manifest, Store
+from kernelcache.store import Manifest, Store, fingerprint
 from kernelcache.toolchains import is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
 
@@ -37,12 +40,23 @@ def cache_key(kc: KernelCache, arch: str) -> str:
     return str(CacheKey(kc.metadata.namespace, kc.metadata.name, arch))
 
 
+class Status(enum.StrEnum):
+    """What a warm did for an arch: every status ``build`` and ``warm`` print (their JSON
+    schema enumerates exactly these; tests/test_cli.py derives the set from this type)."""
+
+    PUBLISHED = "published"  # compiled and published
+    UP_TO_DATE = "up-to-date"  # the current generation has the stamp (and the signature)
+    RE_SIGNED = "re-signed"  # the current one had the stamp and was signed now: no compile
+    RE_POINTED = "re-pointed"  # a kept generation with the stamp was made current again
+    FAILED = "failed"
+
+
 @dataclass
 class ArchResult:
     """One arch's outcome, printed in the build table and passed from the warm process."""
 
     arch: str
-    status: str  # published | up-to-date | re-pointed (a kept generation made current) | failed
+    status: Status
     generation: str | None = None
     stamp: str | None = None
     files: int = 0
@@ -55,15 +69,26 @@ class ArchResult:
     toolchains: list[dict[str, Any]] = field(default_factory=list)
     # The slowest kernels compiled, with their seconds (``progress.KernelTiming``).
     slowest_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # The fingerprint of the key that signed the generation (``store.fingerprint``), or None.
+    signed_by: str | None = None
+
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)  # read back from the warm process's JSON
 
     @classmethod
     def from_manifest(
-        cls, arch: str, status: str, manifest: Manifest, seconds: float
+        cls,
+        arch: str,
+        status: Status,
+        manifest: Manifest,
+        seconds: float,
+        signed_by: str | None = None,
     ) -> ArchResult:
-        warmers = manifest.report.get("warmers", []) if status == "published" else []
+        warmers = manifest.report.get("warmers", []) if status is Status.PUBLISHED else []
         return cls(
             arch=arch,
             status=status,
+            signed_by=signed_by,
             generation=manifest.generation,
             stamp=manifest.stamp["digest"],
             files=len(manifest.files),
@@ -153,11 +178,20 @@ def warm_arch(
     arch: str,
     *,
     signing_key: Any = None,
+    trusted: Sequence[Any] | None = None,
     force: bool = False,
 ) -> ArchResult:
     """Warm, seal and publish one arch; a no-op when the current generation has this stamp,
-    a re-point of CURRENT when a kept one has it (unless ``force``)."""
+    a re-point of CURRENT when a kept one has it (unless ``force``).
+
+    ``trusted``: the public keys serving pods verify with (the signing Secret's
+    ``kernelcache.pub``). The signing key must be one of them (else pods would refuse what
+    it signs: refused before anything is signed); the others are keys being rotated out,
+    whose signatures make a generation worth re-signing rather than compiling again.
+    """
     start = time.perf_counter()
+    signer = fingerprint(signing_key) if signing_key is not None else None
+    others = _rotated_out(signing_key, trusted)
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     configs = kc.spec.warmers_for(arch)
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
@@ -179,32 +213,51 @@ def warm_arch(
     def waiting(holder: str) -> None:
         progress.note(f"{key}: waiting for the writer lock ({holder})")
 
+    def done(status: Status, manifest: Manifest) -> ArchResult:
+        return ArchResult.from_manifest(
+            arch, status, manifest, time.perf_counter() - start, signed_by=signer
+        )
+
+    keep = kc.spec.retention.generations
     with store.writer(key, on_wait=waiting) as writer:
         current = writer.current_manifest()
         if current is not None and current.stamp.get("digest") == stamp.digest and not force:
-            return ArchResult.from_manifest(
-                arch, "up-to-date", current, time.perf_counter() - start
-            )
+            if signing_key is None:
+                return done(Status.UP_TO_DATE, current)
+            signed = writer.sign_current(signing_key, trusted=others)
+            if signed is not None:
+                return done(Status.RE_SIGNED if signed[1] else Status.UP_TO_DATE, signed[0])
         kept = None
         if not force:
             kept = writer.make_current_again(
-                stamp.digest, signing_key=signing_key, keep=kc.spec.retention.generations
+                stamp.digest, signing_key=signing_key, keep=keep, trusted=others
             )
         if kept is not None:
-            return ArchResult.from_manifest(arch, "re-pointed", kept, time.perf_counter() - start)
+            return done(Status.RE_POINTED, kept)
         files_dir = writer.staging()
         positions = [kc.spec.warmers.index(c) for c in configs]
         report = run_warmers(warmers, files_dir, arch, positions)
         if product is None:
             drop_unscoped_tuning(files_dir, arch)
         manifest = writer.publish(
-            files_dir,
-            stamp.to_dict(),
-            report,
-            signing_key=signing_key,
-            keep=kc.spec.retention.generations,
+            files_dir, stamp.to_dict(), report, signing_key=signing_key, keep=keep
         )
-    return ArchResult.from_manifest(arch, "published", manifest, time.perf_counter() - start)
+    return done(Status.PUBLISHED, manifest)
+
+
+def _rotated_out(signing_key: Any, trusted: Sequence[Any] | None) -> list[Any]:
+    """The trusted keys other than the signing key's own; refuses a signing key that the
+    trusted keys do not include (pods would refuse every generation it signs)."""
+    if signing_key is None or trusted is None:
+        return []
+    own = fingerprint(signing_key)
+    prints = [fingerprint(k) for k in trusted]
+    if own not in prints:
+        raise SignatureError(
+            f"signing key {own} is not among the trusted public keys ({', '.join(prints)}): "
+            "pods verifying with those would refuse what it signs"
+        )
+    return [k for k, p in zip(trusted, prints, strict=True) if p != own]
 
 
 def build(
@@ -213,6 +266,7 @@ def build(
     arches: list[str],
     *,
     signing_key_path: Path | None = None,
+    public_key_path: Path | None = None,
     force: bool = False,
     on_start: Callable[[str], None] = lambda arch: None,
     on_output: Callable[[str, str], None] = lambda arch, line: None,
@@ -227,7 +281,12 @@ def build(
     for arch in arches:
         on_start(arch)
         result = _warm_in_subprocess(
-            spec_path, store_root, arch, signing_key_path, force, functools.partial(on_output, arch)
+            spec_path,
+            store_root,
+            arch,
+            (signing_key_path, public_key_path),
+            force,
+            functools.partial(on_output, arch),
         )
         on_done(result)
         results.append(result)
@@ -243,7 +302,7 @@ def _warm_in_subprocess(
     spec_path: Path,
     store_root: Path,
     arch: str,
-    signing_key_path: Path | None,
+    keys: tuple[Path | None, Path | None],
     force: bool,
     on_output: Callable[[str], None],
 ) -> ArchResult:
@@ -254,8 +313,9 @@ def _warm_in_subprocess(
             "-f", str(spec_path), "--store", str(store_root), "--arch", arch,
             "--result", str(result_path), "--progress",
         ]  # fmt: skip
-        if signing_key_path is not None:
-            cmd += ["--signing-key", str(signing_key_path)]
+        for option, key_path in zip(("--signing-key", "--public-key"), keys, strict=True):
+            if key_path is not None:
+                cmd += [option, str(key_path)]
         if force:
             cmd.append("--force")
         start = time.perf_counter()
@@ -284,7 +344,7 @@ def _warm_in_subprocess(
             return ArchResult(**json.loads(result_path.read_text()))
         return ArchResult(
             arch=arch,
-            status="failed",
+            status=Status.FAILED,
             seconds=round(time.perf_counter() - start, 3),
             exit_code=_failure_class(proc.returncode, ours),
             message=errors[-1] if errors else f"warm process exited with {proc.returncode}",
@@ -307,5 +367,5 @@ def write_result(path: Path, result: ArchResult) -> None:
 
 
 def result_exit_code(results: list[ArchResult]) -> int:
-    failed = [r for r in results if r.status == "failed"]
+    failed = [r for r in results if r.status is Status.FAILED]
     return failed[0].exit_code if failed else int(ExitCode.OK)

@@ -85,6 +85,14 @@ def _signing_key(path: Path | None) -> Any:
     return load_private_key(path)
 
 
+def _trusted_keys(path: Path | None) -> Any:
+    if path is None:
+        return None
+    from kernelcache.store import load_public_keys
+
+    return load_public_keys(path)
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     """Warm every arch of a spec in its own process, seal and publish, then print a table.
 
@@ -103,6 +111,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             args.store,
             arches,
             signing_key_path=args.signing_key,
+            public_key_path=args.public_key,
             force=args.force,
             on_start=view.started,
             on_output=view.line,
@@ -139,6 +148,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         Store(args.store),
         arch,
         signing_key=_signing_key(args.signing_key),
+        trusted=_trusted_keys(args.public_key),
         force=args.force,
     )
     if args.result is not None:
@@ -599,11 +609,20 @@ def build_parser() -> argparse.ArgumentParser:
             "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"
         )
 
+    def trusted_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--public-key",
+            type=_path,
+            help="the public key(s) pods verify with (PEM, several during a rotation): the "
+            "signing key must be one; a generation signed by another is re-signed, not rebuilt",
+        )
+
     p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
     p.add_argument("--arch", action="append", help="only this arch (repeatable)")
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
+    trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     json_arg(p, "build.json")
 
@@ -612,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_arg(p)
     p.add_argument("--arch", required=True, help="SM arch, e.g. sm_90a")
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
+    trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(

@@ -12,10 +12,12 @@
 4. **The stamp against the pod**: the node's arch, the engine image and any factor the pod
    declares, this environment (``--check-env``, when the init-container runs in the serving
    image), and the GPU product for autotune results (``--policy``; ``stamp_policy``).
-5. **Materialize** into the pod's emptyDir with every byte checked again as it is copied, let
-   each toolchain place or refuse the copy (``Toolchain.place``: vLLM's cache to the absolute
-   root it was built at, FlashInfer's modules checked against the warm's), and write
-   ``kernelcache.env`` (what the serving container reads, ``envfile``) last, atomically.
+5. **Materialize** into the pod's emptyDir with every byte hashed as it is copied, the
+   manifest and signature written from the bytes checked in 3 (an earlier run's copy is never
+   reused: the copy is made afresh), let each toolchain place or refuse the copy
+   (``Toolchain.place``: vLLM's cache to the absolute root it was built at, FlashInfer's
+   modules checked against the warm's), and write ``kernelcache.env`` (what the serving
+   container reads, ``envfile``) last, atomically.
 
 Fail closed: every failure raises a ``KernelCacheError`` subclass whose one-line message
 names the factor or file, and the target directory then holds nothing that looks valid: the
@@ -30,8 +32,6 @@ and needs no API access. Toolchains are reached through their hooks (``Toolchain
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,14 +55,10 @@ from kernelcache.stamp_policy import check_stamp, tuning_to_drop
 # The store's private write helpers too: one-line StorageErrors naming path and errno, and
 # files made durable the way the store makes its own.
 from kernelcache.store import (
-    COMPLETE_MARKER,
     CURRENT_NAME,
-    FILES_DIR,
     Manifest,
     Store,
-    fsync_dir,
-    io_errors,
-    load_public_key,
+    load_public_keys,
     materialize,
     verify,
 )
@@ -157,7 +153,7 @@ def run(
         envfile.remove(target)
     public_key = None
     if options.public_key is not None:
-        public_key = load_public_key(options.public_key)
+        public_key = load_public_keys(options.public_key)
     elif options.require_signature:
         raise SignatureError("--require-signature: no --public-key to check the signature with")
 
@@ -181,16 +177,14 @@ def run(
             path=str(store.key_dir(key)),
         )
 
-    # Materializing checks every digest of the bytes it copies, so verify skips them then;
-    # not when an earlier run's copy is there, which materialize would return as it is.
-    copied = target is not None and (target / gen_dir.name / COMPLETE_MARKER).is_file()
+    # Materializing hashes every byte it copies, so verify skips the digests then.
     result = verify(
         gen_dir,
         key=key,
         public_key=public_key,
         require_signature=options.require_signature,
         workers=options.workers,
-        digests=target is None or copied,
+        digests=target is None,
     )
     result.raise_for_problems()
     manifest = result.manifest
@@ -218,7 +212,9 @@ def run(
     )
     if target is not None:
         started = time.monotonic()
-        outcome.materialized = _materialize(gen_dir, manifest, target, dropped, options.workers)
+        outcome.materialized = materialize(
+            result, target, workers=options.workers, durable=False, drop=dropped
+        )
         for toolchain in toolchains():
             outcome.placed.update(toolchain.place(outcome.materialized, manifest, dropped))
         outcome.materialize_seconds = time.monotonic() - started
@@ -264,33 +260,6 @@ def _built_arches(store: Store, key: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the target
-
-
-def _materialize(
-    gen_dir: Path, manifest: Manifest, target: Path, dropped: list[str], workers: int | None
-) -> Path:
-    """``store.materialize``; with tuning to drop, into a hidden staging dir first.
-
-    The copy without the dropped files is renamed into place as ``<generation>-untuned`` only
-    when complete, so it is never mistaken for (or reused as) the full copy, and a failure
-    leaves only the hidden staging dir, which is removed.
-    """
-    if not dropped:
-        return materialize(gen_dir, manifest, target, workers=workers, durable=False)
-    staging = target / f".staging-{secrets.token_hex(4)}"
-    final = target / f"{manifest.generation}-untuned"
-    try:
-        copy = materialize(gen_dir, manifest, staging, workers=workers, durable=False)
-        with io_errors(copy):
-            for rel in dropped:
-                (copy / FILES_DIR / rel).unlink()
-            if final.exists():  # an earlier run's copy: replace it whole
-                shutil.rmtree(final)
-            os.rename(copy, final)
-            fsync_dir(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def _commit(target: Path, policy: str, outcome: Outcome) -> None:

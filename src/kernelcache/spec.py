@@ -665,6 +665,9 @@ class ArchStatus(BaseModel):
     artifacts: int | None = Field(default=None, description="Files in the generation.")
     bytes: int | None = Field(default=None, description="Bytes in the generation.")
     compile_seconds: float | None = Field(default=None, description="Seconds the warm took.")
+    signed_by: str | None = Field(
+        default=None, description="Fingerprint of the key that signed the generation."
+    )
     message: str | None = Field(default=None, description="Why it failed, in one line.")
 
 

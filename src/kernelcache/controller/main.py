@@ -35,6 +35,7 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
 from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
+from kernelcache.controller.handlers.handle_update_secret import reconcile_secret_users
 from kernelcache.controller.kube import ApiError, Kube, path
 from kernelcache.controller.manifests import COMPILE
 from kernelcache.nodemap import gpu_labels
@@ -168,6 +169,17 @@ def job_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: An
     if type is None:
         return  # the initial listing: resuming each KernelCache covers it
     _post(reconcile_job_owner(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+
+
+@kopf.on.event("", "v1", "secrets")
+def secret_changed(
+    type: str | None, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A Secret changed: reconcile the KernelCaches that sign with it (a rotated key)."""
+    if type is None or namespace is None:
+        return  # the initial listing: resuming each KernelCache covers it
+    for done in reconcile_secret_users(memo.kube, CONFIG, namespace, name, _jobs_of(kwargs)):
+        _post(done)
 
 
 @kopf.on.delete(*KC)

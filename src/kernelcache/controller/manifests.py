@@ -47,7 +47,14 @@ from kernelcache.contract import (
     image_reference,
 )
 from kernelcache.controller.config import OperatorConfig
-from kernelcache.spec import API_VERSION, KIND, SIGNING_KEY_FILE, GpuClass, KernelCache
+from kernelcache.spec import (
+    API_VERSION,
+    KIND,
+    PUBLIC_KEY_FILE,
+    SIGNING_KEY_FILE,
+    GpuClass,
+    KernelCache,
+)
 
 COMPILE = "compile"
 CLEANUP = "cleanup"
@@ -63,11 +70,13 @@ TERMINATION_LOG = "/dev/termination-log"
 _NAME_MAX = 63  # Job names become a pod label value, so they must fit one
 
 
-def spec_digest(kc: KernelCache) -> str:
-    """16 hex digits of sha256 over namespace, name, uid, generation and spec.
+def spec_digest(kc: KernelCache, signing: str | None = None) -> str:
+    """16 hex digits of sha256 over namespace, name, uid, generation and spec (and, with
+    signing, ``signing``: the signing Secret's content, ``controller.signing.job_identity``).
 
     Stable across reconciles and operator restarts of one spec revision; new on any spec
-    change, on a revert to an earlier spec, and for a re-created object of the same name.
+    change, on a revert to an earlier spec, for a re-created object of the same name, and
+    when the signing Secret changes (its Jobs re-sign for the rotated key).
     """
     server_set = kc.metadata.model_extra or {}
     identity = {
@@ -77,6 +86,8 @@ def spec_digest(kc: KernelCache) -> str:
         "generation": server_set.get("generation"),
         "spec": kc.spec.model_dump(mode="json", by_alias=True),
     }
+    if signing is not None:
+        identity["signing"] = signing
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -333,6 +344,7 @@ def compile_job(
     signing = kc.spec.verification.signing
     if signing.enabled and signing.secret_name:
         command += ["--signing-key", f"{SIGNING_DIR}/{SIGNING_KEY_FILE}"]
+        command += ["--public-key", f"{SIGNING_DIR}/{PUBLIC_KEY_FILE}"]  # what pods trust
         mounts.append({"name": "signing", "mountPath": SIGNING_DIR, "readOnly": True})
         volumes.append({"name": "signing", "secret": {"secretName": signing.secret_name}})
     node_selector, tolerations, resources = compile_placement(gpu)

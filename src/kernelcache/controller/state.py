@@ -43,7 +43,7 @@ JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
 # names each field of ``spec.ArchStatus``.
 _PUBLISHED = {
     ArchStatus.model_fields[name].alias or name: name
-    for name in ("generation", "stamp_digest", "artifacts", "bytes", "compile_seconds")
+    for name in ("generation", "stamp_digest", "artifacts", "bytes", "compile_seconds", "signed_by")
 }
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
 STATUS_KEYS = (
@@ -66,6 +66,7 @@ def from_result(result: dict[str, Any]) -> dict[str, Any]:
         "artifacts": result.get("files"),
         "bytes": result.get("bytes"),
         "compile_seconds": result.get("seconds"),
+        "signed_by": result.get("signed_by"),
     }
 
 

@@ -60,7 +60,13 @@ from kernelcache.store.layout import (
 )
 from kernelcache.store.manifest import MANIFEST_FORMAT, Manifest, manifest_checksum
 from kernelcache.store.materialization import materialize
-from kernelcache.store.signing import generate_keypair, load_private_key, load_public_key
+from kernelcache.store.signing import (
+    fingerprint,
+    generate_keypair,
+    load_private_key,
+    load_public_key,
+    load_public_keys,
+)
 from kernelcache.store.verification import Problem, VerifyResult, verify
 from kernelcache.store.writer import Store, Writer
 
@@ -79,12 +85,14 @@ __all__ = [
     "Writer",
     "digest_file",
     "digest_tree",
+    "fingerprint",
     "fsync_dir",
     "generate_keypair",
     "generation_id",
     "io_errors",
     "load_private_key",
     "load_public_key",
+    "load_public_keys",
     "manifest_checksum",
     "materialize",
     "verify",

@@ -1,5 +1,18 @@
-"""Materialize: copy a generation out of the store (into a pod's emptyDir, a node's local
-disk), checking every byte as it is copied and renaming the copy into place only whole."""
+"""Materialize: copy a verified generation out of the store (into a pod's emptyDir, a node's
+local disk), writing exactly the bytes that were checked and renaming the copy into place
+only whole.
+
+What a copy holds is what was checked, by construction: MANIFEST.json and its signature are
+written from the bytes ``verify`` read and checked (``VerifyResult``), never read from the
+store again; each file is read once, into a buffer that is hashed and then written, so the
+bytes written are the bytes whose digest matched. A store changed under a copy (a file, the
+manifest or its signature swapped) gives a copy of what was checked, or a failure.
+
+The target is trusted no more than the store. Nothing it holds is reused: every run copies
+afresh and replaces an earlier copy whole (an earlier copy, ``.complete`` marker and all, may
+have been changed since). A symlink anywhere under the target is refused, and so is a target
+in a store (a copy there would replace a generation or land in another key).
+"""
 
 from __future__ import annotations
 
@@ -7,44 +20,63 @@ import errno
 import os
 import secrets
 import shutil
+import stat
+from collections.abc import Collection
+from contextlib import suppress
 from pathlib import Path
 
-from kernelcache.errors import IntegrityError, StorageError
+from kernelcache.errors import IntegrityError, StorageError, UnsafePathError
 from kernelcache.store.digests import FileEntry, copy_file
 from kernelcache.store.fs import (
     fsync_dir,
     fsync_tree_dirs,
     io_errors,
+    link_target,
     make_dirs,
     parallel,
-    read_regular,
     storage_error,
+    walk,
     write_file_synced,
 )
-from kernelcache.store.layout import COMPLETE_MARKER, FILES_DIR, MANIFEST_NAME, SIGNATURE_NAME
-from kernelcache.store.manifest import Manifest
+from kernelcache.store.layout import (
+    COMPLETE_MARKER,
+    CURRENT_NAME,
+    FILES_DIR,
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+)
+from kernelcache.store.verification import VerifyResult
+
+# Replacing an earlier copy races only with another materialize of the same target; past
+# this many lost races the target is not ours alone.
+_REPLACE_ATTEMPTS = 3
 
 
 def materialize(
-    gen_dir: Path,
-    manifest: Manifest,
+    checked: VerifyResult,
     target: Path,
     workers: int | None = None,
     *,
     durable: bool = True,
+    drop: Collection[str] = (),
 ) -> Path:
-    """Copy a generation into target/<generation-id>/, checking every byte as it is copied.
+    """Copy a verified generation into target/<generation-id>/, and return that path.
 
-    The copy is built in a hidden target/.partial-* directory and renamed into place only
-    when complete (with its .complete marker written last), so an interrupted or failed copy
-    never leaves anything that looks valid. Returns at once if the copy already exists.
-    ``durable=False`` skips the fsyncs, for a target that does not outlive a crash anyway (a
-    pod's emptyDir): syncing costs about as much as the copy itself.
+    ``checked`` is ``verify``'s result for the generation (it must be ok; its digests may
+    have been skipped: every byte copied is hashed here). The copy is built in a hidden
+    target/.partial-* directory with its .complete marker written last, and renamed into
+    place only when complete, so an interrupted or failed copy never leaves anything that
+    looks valid. ``drop``: files left out (tuning another GPU may not use); the copy is then
+    target/<generation-id>-untuned, never mistaken for the full one. ``durable=False`` skips
+    the fsyncs, for a target that does not outlive a crash anyway (a pod's emptyDir):
+    syncing costs about as much as the copy itself.
     """
-    gen_dir, target = Path(gen_dir), Path(target)
-    result = target / manifest.generation
-    if (result / COMPLETE_MARKER).is_file():
-        return result
+    manifest, manifest_bytes = checked.manifest, checked.manifest_bytes
+    if not checked.ok or manifest is None or manifest_bytes is None:
+        raise ValueError(f"{checked.gen_dir}: materialize needs a generation that verified")
+    target = Path(target).absolute()
+    _check_target(target, checked.gen_dir)
+    name = f"{manifest.generation}-untuned" if drop else manifest.generation
     with io_errors(target):
         target.mkdir(parents=True, exist_ok=True)
     partial = target / f".partial-{secrets.token_hex(4)}"
@@ -52,9 +84,12 @@ def materialize(
         with io_errors(partial):
             partial.mkdir()
             partial.chmod(0o755)  # the serving user lists it, whatever the umask
-        _copy_manifest(gen_dir, manifest, partial)
-        src_root, dst_root = gen_dir / FILES_DIR, partial / FILES_DIR
-        dirs = make_dirs(dst_root, (e.path for e in manifest.files))
+        write_file_synced(partial / MANIFEST_NAME, manifest_bytes)
+        if checked.signature is not None:
+            write_file_synced(partial / SIGNATURE_NAME, checked.signature)
+        src_root, dst_root = checked.gen_dir / FILES_DIR, partial / FILES_DIR
+        entries = [e for e in manifest.files if e.path not in drop]
+        dirs = make_dirs(dst_root, (e.path for e in entries))
 
         def copy(entry: FileEntry) -> None:
             src = src_root / entry.path
@@ -69,44 +104,97 @@ def materialize(
             if digest != entry.digest:
                 raise IntegrityError(f"{src}: digest mismatch", path=str(src))
 
-        parallel(copy, sorted(manifest.files, key=lambda e: -e.size), workers)
+        parallel(copy, sorted(entries, key=lambda e: -e.size), workers)
         write_file_synced(partial / COMPLETE_MARKER, f"{manifest.generation}\n".encode())
         if durable:
             fsync_tree_dirs(dst_root, dirs, workers)
             fsync_dir(partial)
-        if result.exists():  # no marker: not ours, or not complete; never reuse it
-            stale = target / f".partial-{secrets.token_hex(4)}"
-            with io_errors(result):
-                os.rename(result, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(partial, result)
-        except OSError as exc:
-            # Another copy of the same generation finished first: use it.
-            if (
-                exc.errno in (errno.EEXIST, errno.ENOTEMPTY)
-                and (result / COMPLETE_MARKER).is_file()
-            ):
-                shutil.rmtree(partial, ignore_errors=True)
-                return result
-            raise storage_error(exc, result) from exc
-        fsync_dir(target)
+        result = _replace(target, name, partial)
+        if durable:
+            fsync_dir(target)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         raise
     return result
 
 
-def _copy_manifest(gen_dir: Path, manifest: Manifest, dst: Path) -> None:
-    """Copy MANIFEST.json (and its signature) byte for byte, so the copy verifies the same.
-    The bytes must still be the manifest the caller verified."""
-    path = gen_dir / MANIFEST_NAME
-    with io_errors(path):
-        data = read_regular(path)
-    if Manifest.parse(data, str(path)) != manifest:
-        raise IntegrityError(f"{path}: changed since it was verified", path=str(path))
-    write_file_synced(dst / MANIFEST_NAME, data)
-    sig = gen_dir / SIGNATURE_NAME
-    if sig.is_file():
-        with io_errors(sig):
-            write_file_synced(dst / SIGNATURE_NAME, read_regular(sig))
+def _check_target(target: Path, gen_dir: Path) -> None:
+    """Refuse a target that is a symlink or holds one anywhere, or that lies in a store:
+    under the generation's store root, or under a directory that holds a CURRENT (a key of
+    any store) or a MANIFEST.json (a generation)."""
+    store_root = _store_root(gen_dir)
+    real = target.resolve()
+    for path in (real, *real.parents):
+        if path == store_root or any(
+            os.path.lexists(path / name) for name in (CURRENT_NAME, MANIFEST_NAME)
+        ):
+            raise UnsafePathError(
+                f"{target}: lies in a store ({path}); materialize outside it", path=str(target)
+            )
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise storage_error(exc, target) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(
+            f"{target}: is a symlink (to {link_target(target)!r}); give the directory itself",
+            path=str(target),
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise StorageError(f"{target}: not a directory", path=str(target))
+    with io_errors(target):
+        for _, entry in walk(target):
+            if entry.is_symlink():
+                path = Path(entry.path)
+                raise UnsafePathError(
+                    f"{path}: is a symlink (to {link_target(path)!r}); a materialize target "
+                    "holds only what kernelcache wrote",
+                    path=str(path),
+                )
+
+
+def _store_root(gen_dir: Path) -> Path:
+    """The root of the store a generation lies in (<root>/<ns>/<name>/<arch>/<id>), or its
+    own directory when it lies in none."""
+    real = gen_dir.resolve()
+    if os.path.lexists(real.parent / CURRENT_NAME) and len(real.parents) > 4:
+        return real.parents[3]
+    return real
+
+
+def _replace(target: Path, name: str, partial: Path) -> Path:
+    """Rename partial to target/name, moving whatever is there aside and removing it first."""
+    result = target / name
+    for _ in range(_REPLACE_ATTEMPTS):
+        if os.path.lexists(result):
+            stale = target / f".stale-{secrets.token_hex(4)}"
+            try:
+                os.rename(result, stale)
+            except FileNotFoundError:
+                pass  # another materialize moved it first
+            except OSError as exc:
+                raise storage_error(exc, result) from exc
+            else:
+                _remove(stale)
+        try:
+            os.rename(partial, result)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                continue  # another copy landed in between: replace it too
+            raise storage_error(exc, result) from exc
+        return result
+    raise StorageError(
+        f"{result}: replaced by another writer {_REPLACE_ATTEMPTS} times while materializing",
+        path=str(result),
+    )
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory we made or moved aside (a symlink or file: only the entry)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(OSError):
+            os.unlink(path)

@@ -1,13 +1,20 @@
 """Signing: ed25519 keys (PEM or 32 raw bytes), and a manifest's signature in its one written
-form (base64 of the signature over the manifest's bytes, and one newline)."""
+form (base64 of the signature over the manifest's bytes, and one newline).
+
+A public key file may hold several PEM keys, one after another: the keys trusted together
+while a signing key is rotated (``docs/security.md``). A signature verifies when one of them
+made it.
+"""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias, cast
 
@@ -24,7 +31,9 @@ from kernelcache.store.fs import fsync_dir, io_errors, one_line, write_file_sync
 from kernelcache.store.layout import MANIFEST_NAME
 
 PrivateKeyLike: TypeAlias = "Ed25519PrivateKey | str | os.PathLike[str]"
-PublicKeyLike: TypeAlias = "Ed25519PublicKey | str | os.PathLike[str]"
+PublicKeyLike: TypeAlias = "Ed25519PublicKey | Sequence[Ed25519PublicKey] | str | os.PathLike[str]"
+
+_PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.*?-----END [A-Z ]+-----\s*", re.DOTALL)
 
 
 # For each kind of key: its class, and how it is read from PEM and from 32 raw bytes.
@@ -42,9 +51,9 @@ _KEY_KINDS: dict[str, tuple[type[object], Callable[[bytes], object], Callable[[b
 }
 
 
-def _load_key(path: str | os.PathLike[str], what: str) -> object:
-    """A key from a PEM file or a file of exactly 32 raw bytes; any failure names the path."""
-    kind, from_pem, from_raw = _KEY_KINDS[what]
+def _load_keys(path: str | os.PathLike[str], what: str) -> list[object]:
+    """The keys of a PEM file (one or more blocks) or of a file of exactly 32 raw bytes; any
+    failure names the path."""
     name = os.fsdecode(path)
     try:
         data = Path(path).read_bytes()
@@ -52,34 +61,85 @@ def _load_key(path: str | os.PathLike[str], what: str) -> object:
         raise SignatureError(
             f"{name}: cannot read {what} key: {one_line(exc.strerror or exc)}", path=name
         ) from exc
+    return _parse_keys(data, name, what)
+
+
+def _parse_keys(data: bytes, name: str, what: str) -> list[object]:
+    kind, from_pem, from_raw = _KEY_KINDS[what]
     try:
         if data.lstrip().startswith(b"-----BEGIN"):
-            key = from_pem(data)
+            blocks = _PEM_BLOCK.findall(data.strip() + b"\n")
+            if b"".join(blocks).strip() != data.strip():
+                raise ValueError("text outside its PEM blocks")
+            keys = [from_pem(block) for block in blocks]
         elif len(data) == 32:
-            key = from_raw(data)
+            keys = [from_raw(data)]
         else:
             raise ValueError("neither PEM nor 32 raw bytes")
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise SignatureError(f"{name}: unusable {what} key: {one_line(exc)}", path=name) from exc
-    if not isinstance(key, kind):
+    if not all(isinstance(key, kind) for key in keys):
         raise SignatureError(f"{name}: not an ed25519 {what} key", path=name)
-    return key
+    return keys
 
 
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """An ed25519 private key from a PEM (PKCS#8, unencrypted) file or 32 raw bytes."""
-    return cast(Ed25519PrivateKey, _load_key(path, "private"))
+    return _one_private(_load_keys(path, "private"), os.fsdecode(path))
+
+
+def parse_private_key(data: bytes, source: str) -> Ed25519PrivateKey:
+    """``load_private_key`` of bytes read elsewhere (a Secret's value); errors name source."""
+    return _one_private(_parse_keys(data, source, "private"), source)
+
+
+def _one_private(keys: list[object], name: str) -> Ed25519PrivateKey:
+    if len(keys) != 1:
+        raise SignatureError(f"{name}: holds {len(keys)} private keys, not one", path=name)
+    return cast(Ed25519PrivateKey, keys[0])
+
+
+def load_public_keys(path: str | os.PathLike[str]) -> tuple[Ed25519PublicKey, ...]:
+    """The ed25519 public keys (PEM SubjectPublicKeyInfo blocks, or 32 raw bytes) of a file:
+    every one of them is trusted."""
+    return tuple(cast(Ed25519PublicKey, key) for key in _load_keys(path, "public"))
+
+
+def parse_public_keys(data: bytes, source: str) -> tuple[Ed25519PublicKey, ...]:
+    """``load_public_keys`` of bytes read elsewhere (a Secret's value); errors name source."""
+    return tuple(cast(Ed25519PublicKey, key) for key in _parse_keys(data, source, "public"))
 
 
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
-    """An ed25519 public key from a PEM (SubjectPublicKeyInfo) file or 32 raw bytes."""
-    return cast(Ed25519PublicKey, _load_key(path, "public"))
+    """The one ed25519 public key of a file."""
+    keys = load_public_keys(path)
+    if len(keys) != 1:
+        name = os.fsdecode(path)
+        raise SignatureError(f"{name}: holds {len(keys)} public keys, not one", path=name)
+    return keys[0]
+
+
+def public_keys(trusted: PublicKeyLike) -> tuple[Ed25519PublicKey, ...]:
+    """The keys a PublicKeyLike stands for (a key, several, or a file of them)."""
+    if isinstance(trusted, Ed25519PublicKey):
+        return (trusted,)
+    if isinstance(trusted, (str, os.PathLike)):
+        return load_public_keys(trusted)
+    return tuple(trusted)
 
 
 def private_key(signing_key: PrivateKeyLike | None) -> Ed25519PrivateKey | None:
     if signing_key is None or isinstance(signing_key, Ed25519PrivateKey):
         return signing_key
     return load_private_key(signing_key)
+
+
+def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+    """A short, stable name of a key pair (of its public half): what status and results
+    print to say which key signed a generation and which keys pods trust."""
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
 def generate_keypair(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -140,19 +200,24 @@ def signature_bytes(key: Ed25519PrivateKey, manifest_bytes: bytes) -> bytes:
     return base64.b64encode(key.sign(manifest_bytes)) + b"\n"
 
 
-def signature_mismatch(
-    encoded: bytes, manifest_bytes: bytes, public_key: Ed25519PublicKey
-) -> str | None:
-    """What is wrong with a signature file's bytes for manifest_bytes, or None: it must be
-    exactly ``signature_bytes``' form, and the signature of these bytes by public_key."""
+def signer(
+    encoded: bytes, manifest_bytes: bytes, trusted: Sequence[Ed25519PublicKey]
+) -> tuple[Ed25519PublicKey | None, str | None]:
+    """(the trusted key that made this signature, None), or (None, what is wrong with it):
+    a signature file must be exactly ``signature_bytes``' form, and the signature of
+    manifest_bytes by one of the trusted keys."""
     try:
         signature = base64.b64decode(encoded.removesuffix(b"\n"), validate=True)
     except ValueError:
-        return "not base64"
+        return None, "not base64"
     if encoded != base64.b64encode(signature) + b"\n":  # exactly as written: no byte may change
-        return "not in its written form (base64 and one newline)"
-    try:
-        public_key.verify(signature, manifest_bytes)
-    except InvalidSignature:
-        return f"does not match {MANIFEST_NAME}"
-    return None
+        return None, "not in its written form (base64 and one newline)"
+    for key in trusted:
+        try:
+            key.verify(signature, manifest_bytes)
+        except InvalidSignature:
+            continue
+        return key, None
+    if len(trusted) > 1:
+        return None, f"does not match {MANIFEST_NAME} by any of the {len(trusted)} trusted keys"
+    return None, f"does not match {MANIFEST_NAME}"

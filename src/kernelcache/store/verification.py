@@ -2,7 +2,7 @@
 naming the file, with the exit code of its class.
 
 The path of a check (``verify``): ``_generation_dir_problem`` (a real, listable directory),
-``_read_manifest`` (a regular file of its own, that parses), ``_signature_problem`` (when a
+``_read_manifest`` (a regular file of its own, that parses), ``_check_signature`` (when a
 key is given or one is required), ``_trust_problem`` (safe paths, intact checksum, published
 for this key under this id), ``_scan_files`` (nothing in files/ but files and directories of
 its own, each readable), ``_size_problems``, ``_digest_problems``, ``_unlisted_problems`` and
@@ -16,8 +16,6 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from kernelcache.errors import (
     ExitCode,
@@ -33,7 +31,7 @@ from kernelcache.store.digests import FileEntry, digest_one, generation_id
 from kernelcache.store.fs import link_target, one_line, parallel, read_regular, storage_error, walk
 from kernelcache.store.layout import FILES_DIR, MANIFEST_NAME, SIGNATURE_NAME
 from kernelcache.store.manifest import Manifest, check_paths, checksum_problem, parse_schema
-from kernelcache.store.signing import PublicKeyLike, load_public_key, signature_mismatch
+from kernelcache.store.signing import PublicKeyLike, fingerprint, public_keys, signer
 
 
 @dataclass
@@ -63,11 +61,19 @@ _ERROR_CLASSES: dict[ExitCode, type[KernelCacheError]] = {
 
 @dataclass
 class VerifyResult:
+    """What was checked. ``manifest_bytes`` and ``signature`` are the very bytes the checks
+    read (each file once): ``materialize`` writes these, never the store's files read again,
+    so what a copy holds is what was checked. ``signature`` is None when none was checked;
+    ``signer`` the fingerprint of the trusted key that made it."""
+
     gen_dir: Path
     manifest: Manifest | None
     problems: list[Problem]
     bytes_checked: int
     seconds: float
+    manifest_bytes: bytes | None = None
+    signature: bytes | None = None
+    signer: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -130,12 +136,15 @@ def _verify_into(
         problems.append(read)
         return
     data, manifest = read
-    result.manifest = manifest
+    result.manifest, result.manifest_bytes = manifest, data
     signature_problem = None
     if public_key is not None or require_signature:
-        signature_problem = _signature_problem(gen_dir, data, public_key)
-        if signature_problem is not None:
+        checked = _check_signature(gen_dir, data, public_key)
+        if isinstance(checked, Problem):
+            signature_problem = checked
             problems.append(signature_problem)
+        else:
+            result.signature, result.signer = checked
     untrusted = _trust_problem(manifest, gen_dir, key, checksum=signature_problem is None)
     if untrusted is not None:
         problems.append(untrusted)
@@ -193,28 +202,30 @@ def _read_manifest(manifest_path: Path) -> tuple[bytes, Manifest] | Problem:
         return _problem_of(exc)
 
 
-def _signature_problem(
+def _check_signature(
     gen_dir: Path, manifest_bytes: bytes, public_key: PublicKeyLike | None
-) -> Problem | None:
+) -> tuple[bytes, str] | Problem:
+    """The signature's bytes (read once) and the fingerprint of the trusted key that made
+    it, or why there is none."""
     sig_path = gen_dir / SIGNATURE_NAME
     if public_key is None:
         return _problem(
             ExitCode.SIGNATURE, sig_path, "signature required but no public key to check it with"
         )
-    if not isinstance(public_key, Ed25519PublicKey):
-        try:
-            public_key = load_public_key(public_key)
-        except SignatureError as exc:
-            return _problem_of(exc)
+    try:
+        trusted = public_keys(public_key)
+    except SignatureError as exc:
+        return _problem_of(exc)
     try:
         encoded = read_regular(sig_path)
     except FileNotFoundError:
         return _problem(ExitCode.SIGNATURE, sig_path, "missing")
     except (OSError, UnsafePathError) as exc:
         return _problem(ExitCode.SIGNATURE, sig_path, f"unreadable: {one_line(exc)}")
-    if (mismatch := signature_mismatch(encoded, manifest_bytes, public_key)) is not None:
-        return _problem(ExitCode.SIGNATURE, sig_path, mismatch)
-    return None
+    made_by, mismatch = signer(encoded, manifest_bytes, trusted)
+    if made_by is None:
+        return _problem(ExitCode.SIGNATURE, sig_path, str(mismatch))
+    return encoded, fingerprint(made_by)
 
 
 def _trust_problem(

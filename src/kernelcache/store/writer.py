@@ -8,12 +8,15 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
 
 from kernelcache.errors import (
     IntegrityError,
@@ -21,6 +24,7 @@ from kernelcache.errors import (
     MissingGenerationError,
     SpecError,
     StorageError,
+    UnsafePathError,
 )
 from kernelcache.store.digests import (
     FileEntry,
@@ -60,8 +64,15 @@ from kernelcache.store.layout import (
 )
 from kernelcache.store.locking import holder, lock, try_lock
 from kernelcache.store.manifest import MANIFEST_FORMAT, Manifest, load_manifest, now_rfc3339
-from kernelcache.store.signing import PrivateKeyLike, PublicKeyLike, private_key, signature_bytes
-from kernelcache.store.verification import verify
+from kernelcache.store.signing import (
+    PrivateKeyLike,
+    PublicKeyLike,
+    fingerprint,
+    private_key,
+    signature_bytes,
+    signer,
+)
+from kernelcache.store.verification import VerifyResult, verify
 
 log = logging.getLogger(__name__)
 
@@ -439,14 +450,19 @@ class Writer:
         signing_key: PrivateKeyLike | None = None,
         keep: int = 2,
         workers: int | None = None,
+        trusted: Sequence[Ed25519PublicKey] = (),
     ) -> Manifest | None:
         """Point CURRENT back at a kept generation built with this stamp, without building.
 
         A reverted spec or engine image finds its generation still in the store: of those
-        with this stamp digest, the most recently current one that verifies for this key is
-        made current (re-signed with signing_key when given, as a re-publish would), then old
-        generations are collected. None when no kept generation has the stamp. The swap is
-        the same as a publish's: a crash leaves CURRENT naming the old or the kept one.
+        with this stamp digest, the most recently current one that verifies in full for this
+        key is made current, then old generations are collected. With ``signing_key``, in
+        full means its signature too: signed by that key or by one of ``trusted`` (a key
+        being rotated out; it is then re-signed with signing_key). A kept generation that is
+        unsigned or signed by another key is not made current: anyone who can write the
+        store can edit one, and signing it now would vouch for the edit. None when no kept
+        generation qualifies (the build then compiles). The swap is the same as a publish's:
+        a crash leaves CURRENT naming the old or the kept one.
         """
         self._check_open()
         signing_key = private_key(signing_key)
@@ -456,16 +472,80 @@ class Writer:
             if manifest is not None and manifest.stamp.get("digest") == stamp_digest
         ]
         for path, _ in candidates:
-            result = verify(path, key=self.key, workers=workers)
+            result = verify(
+                path,
+                key=self.key,
+                workers=workers,
+                public_key=None if signing_key is None else _trusting(signing_key, trusted),
+                require_signature=signing_key is not None,
+            )
             if not result.ok or result.manifest is None:
                 log.warning("not making %s current again: %s", path, result.problems[0].message)
                 continue
-            if signing_key is not None:
-                self._resign(path, signing_key)
+            if signing_key is not None and result.signer != fingerprint(signing_key):
+                self._resign(path, result, signing_key)
             self._point_current(path.name)
             self._collect(keep, path)
             return result.manifest
         return None
+
+    def sign_current(
+        self,
+        signing_key: PrivateKeyLike,
+        workers: int | None = None,
+        trusted: Sequence[Ed25519PublicKey] = (),
+    ) -> tuple[Manifest, bool] | None:
+        """Make sure the current generation is signed with signing_key, without building:
+        (its manifest, whether it was signed now), or None when it cannot be vouched for
+        (the build then compiles a new one; a warning says why).
+
+        It is verified in full first (every digest). Signed by signing_key: nothing to do.
+        Signed by one of ``trusted`` (a key being rotated out), or unsigned in a key none of
+        whose generations is signed (signing turned on): re-signed. Unsigned among signed
+        generations, or signed by a key not trusted: not vouched for.
+        """
+        self._check_open()
+        key = private_key(signing_key)
+        assert key is not None
+        gen_dir = self.store.current(self.key)
+        if gen_dir is None:
+            return None
+        result = verify(gen_dir, key=self.key, workers=workers)
+        if not result.ok or result.manifest is None or result.manifest_bytes is None:
+            log.warning("not signing %s: %s", gen_dir, result.problems[0].message)
+            return None
+        sig_path = gen_dir / SIGNATURE_NAME
+        try:
+            encoded: bytes | None = read_regular(sig_path)
+        except FileNotFoundError:
+            encoded = None
+        except (OSError, UnsafePathError) as exc:
+            log.warning("not signing %s: %s unreadable: %s", gen_dir, sig_path, exc)
+            return None
+        if encoded is None:
+            signed = [g for g, _ in self.store._generation_dirs(self.key) if _has_signature(g)]
+            if signed:
+                log.warning(
+                    "not signing %s: unsigned, while %s is signed (signing was on: it may "
+                    "have been edited)",
+                    gen_dir,
+                    signed[0],
+                )
+                return None
+        else:
+            made_by, mismatch = signer(encoded, result.manifest_bytes, _trusting(key, trusted))
+            if made_by is None:
+                log.warning(
+                    "not signing %s: its signature %s (a key being rotated out is trusted "
+                    "only when given as a public key)",
+                    gen_dir,
+                    mismatch,
+                )
+                return None
+            if fingerprint(made_by) == fingerprint(key):
+                return result.manifest, False
+        self._resign(gen_dir, result, key)
+        return result.manifest, True
 
     def _go_current(self, manifest: Manifest, created_new: bool, keep: int) -> Manifest:
         """Point CURRENT at an installed generation, then collect old ones; a new generation
@@ -541,11 +621,17 @@ class Writer:
         """
         gen_dir = self.key_dir / manifest.generation
         if os.path.lexists(gen_dir):
-            existing = verify(gen_dir, key=self.key, workers=workers)
+            # Signing: reused only when signed by this key already (its manifest, report
+            # included, is then one this publisher vouched for); else the fresh copy wins.
+            existing = verify(
+                gen_dir,
+                key=self.key,
+                workers=workers,
+                public_key=None if signing_key is None else signing_key.public_key(),
+                require_signature=signing_key is not None,
+            )
             if existing.ok and existing.manifest is not None:
                 self._discard(staging)
-                if signing_key is not None:
-                    self._resign(gen_dir, signing_key)
                 return existing.manifest, False
             log.warning("replacing generation %s, which fails verification", gen_dir)
             _trash(self.key_dir, gen_dir)
@@ -555,11 +641,22 @@ class Writer:
         fsync_dir(self.key_dir)
         return manifest, True
 
-    def _resign(self, gen_dir: Path, signing_key: Ed25519PrivateKey) -> None:
-        """Sign a kept generation's manifest with this publisher's key (atomically)."""
-        manifest_path = gen_dir / MANIFEST_NAME
-        with io_errors(manifest_path):
-            data = read_regular(manifest_path)
+    def _resign(self, gen_dir: Path, checked: VerifyResult, signing_key: Ed25519PrivateKey) -> None:
+        """Sign a kept generation's manifest, the very bytes just verified, atomically."""
+        assert checked.ok and checked.manifest_bytes is not None
         replace_synced(
-            gen_dir / SIGNATURE_NAME, signature_bytes(signing_key, data), f".{SIGNATURE_NAME}."
+            gen_dir / SIGNATURE_NAME,
+            signature_bytes(signing_key, checked.manifest_bytes),
+            f".{SIGNATURE_NAME}.",
         )
+
+
+def _trusting(
+    signing_key: Ed25519PrivateKey, trusted: Sequence[Ed25519PublicKey]
+) -> tuple[Ed25519PublicKey, ...]:
+    """The keys whose signature a signing publisher accepts: its own and ``trusted``."""
+    return (signing_key.public_key(), *trusted)
+
+
+def _has_signature(gen_dir: Path) -> bool:
+    return os.path.lexists(gen_dir / SIGNATURE_NAME)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kernelcache.controller import manifests, metrics, state
+from kernelcache.controller import manifests, metrics, signing, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.errors import SpecError
@@ -114,7 +114,8 @@ def _reconcile_once(
         invalid = state.invalid_status(previous, exc.message, generation, now)
         return _write(kube, body, previous, invalid, "invalid", events, [])
 
-    digest = manifests.spec_digest(kc)
+    secret = signing.read_secret(kube, kc)  # a rotated key: new Jobs, which re-sign
+    digest = manifests.spec_digest(kc, signing.job_identity(secret))
     owner = manifests.owner_reference(body)
     jobs = jobs_of(uid)
     for stale in state.superseded(jobs, digest):
@@ -133,13 +134,15 @@ def _reconcile_once(
         arch_jobs = current.get(arch, [])
         job = state.newest(arch_jobs)
         result, stuck = None, None
-        if job is not None and state.needs_result(job, before.get(arch), previous_current):
+        # Signed by another key than the Secret's: as if for another spec, its Job runs again.
+        arch_current = previous_current and not signing.stale(before.get(arch), secret)
+        if job is not None and state.needs_result(job, before.get(arch), arch_current):
             pods = kube.list(path("v1", "pods", namespace), manifests.pod_selector(job))
             result = state.termination_result(pods)
         elif job is not None and state.may_be_stuck(job):
             stuck = _stuck(kube, namespace, job)
         plan = state.plan_arch(
-            arch, arch_jobs, before.get(arch), previous_current, result, policy, now, stuck
+            arch, arch_jobs, before.get(arch), arch_current, result, policy, now, stuck
         )
         if plan.create_attempt is not None:
             if not prepared:  # what Jobs mount; made only when one is due (steady state: no writes)
@@ -157,7 +160,9 @@ def _reconcile_once(
                 message = f"{arch}: created Job {new['metadata']['name']}"
                 events.append(state.Event("Normal", "JobCreated", message))
         plans.append(plan)
-    status = state.summarize(plans, generation, previous, now)
+    status = signing.with_trust(
+        kc, state.summarize(plans, generation, previous, now), secret, previous, now
+    )
     reconciled = _write(kube, body, previous, status, "ok", events, plans)
     if state.published(status) != state.published(previous):
         _record(kube, kc, uid, state.published(status))
