@@ -54,6 +54,8 @@ class ArchResult:
     toolchains: list[dict[str, Any]] = field(default_factory=list)
     # The slowest kernels compiled, with their seconds (``progress.KernelTiming``).
     slowest_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # repo@sha256:... when the generation was also pushed to a registry (``warm --push``).
+    artifact: str | None = None
 
     @classmethod
     def from_manifest(

@@ -31,7 +31,8 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 from kernelcache import contract, envfile, nodemap
 from kernelcache.contract import POLICIES, CacheKey
 from kernelcache.errors import (
+    IntegrityError,
     KernelCacheError,
     MissingGenerationError,
     NoGpuInfoError,
@@ -62,6 +64,7 @@ from kernelcache.store import (
     io_errors,
     load_public_key,
     materialize,
+    prefetched,
     verify,
 )
 from kernelcache.toolchains import vllm as vllm_root
@@ -88,7 +91,7 @@ _TERMINATION_LIMIT = 4096
 class Options:
     """What ``kernelcache verify`` was asked to do (one field per command-line option)."""
 
-    store: Path
+    store: Path | None = None  # the shared store; None when an artifact or pull is the source
     key: str | None = None  # NAMESPACE/NAME/ARCH; else namespace + name + this node's arch
     namespace: str | None = None
     name: str | None = None
@@ -104,6 +107,15 @@ class Options:
     require_signature: bool = False
     materialize: Path | None = None
     workers: int | None = None
+    # Where the generation comes from instead of the store, per arch (docs/distribution.md):
+    pull: Mapping[str, str] = field(default_factory=dict)  # repo@sha256:..., pulled
+    artifacts: Mapping[str, Path] = field(default_factory=dict)  # an image volume's mount
+    registry_auth: Path | None = None
+    registry_ca: Path | None = None
+    local: Path | None = None  # the node's prefetched copies (store.prefetched), tried first
+    want: Mapping[str, str] = field(default_factory=dict)  # per arch, the token a copy needs
+    local_wait_seconds: float = 0.0
+    local_only: bool = False
 
 
 @dataclass
@@ -168,17 +180,27 @@ def run(
         or (nodemap.reader(options.node_map) if options.node_map is not None else None),
     )
     key, arch = _key_and_arch(options, node)
-    store = Store(options.store)
-    check_store_root(store.root)
-    gen_dir = store.current(key)
-    if gen_dir is None:
-        built = _built_arches(store, key)
-        raise MissingGenerationError(
-            f"{key}: no published generation in {store.root} "
-            f"(arches built: {', '.join(built) if built else 'none'})",
-            path=str(store.key_dir(key)),
+    notes: list[str] = []
+    with _located(options, key, arch, target, notes) as (gen_dir, bound_key):
+        outcome = _verify_and_materialize(
+            options, gen_dir, bound_key, arch, node, target, env, public_key
         )
+    outcome.warnings[:0] = notes
+    return outcome
 
+
+def _verify_and_materialize(
+    options: Options,
+    gen_dir: Path,
+    key: str | None,
+    arch: str,
+    node: NodeInfo,
+    target: Path | None,
+    env: Mapping[str, str] | None,
+    public_key: Any,
+) -> Outcome:
+    """Steps 3 to 5 on the generation found. ``key`` None: an artifact, whose manifest names
+    the key it was built for (another cluster's, perhaps); it must be of this node's arch."""
     # Materializing checks every digest of the bytes it copies, so verify skips them then;
     # not when an earlier run's copy is there, which materialize would return as it is.
     copied = target is not None and (target / gen_dir.name / COMPLETE_MARKER).is_file()
@@ -193,6 +215,13 @@ def run(
     result.raise_for_problems()
     manifest = result.manifest
     assert manifest is not None  # verify reports a problem whenever it has no manifest
+    if key is None:
+        key = manifest.key
+        if CacheKey.parse(key).arch != arch:
+            raise IntegrityError(
+                f"{gen_dir}: the artifact was built for {key}, not for this node's arch {arch}",
+                path=str(gen_dir),
+            )
     vllm_root.check_env_root(manifest, os.environ if env is None else env)
     check_stamp(
         manifest,
@@ -221,6 +250,90 @@ def run(
         outcome.materialize_seconds = time.monotonic() - started
         _commit(target, options.policy, outcome)
     return outcome
+
+
+# --------------------------------------------------------------------------- the source
+
+
+@contextmanager
+def _located(
+    options: Options, key: str, arch: str, target: Path | None, notes: list[str]
+) -> Iterator[tuple[Path, str | None]]:
+    """The generation directory for this node and the key to bind it to (None: the
+    artifact's own), held while it is read: the node's prefetched copy first (locked against
+    eviction), else the arch's image volume, its pull, or the store."""
+    if options.local is not None and (token := options.want.get(arch)):
+        found = _wait_for_local(options.local, key, token, options.local_wait_seconds)
+        if found is not None:
+            with prefetched.reading(found.gen_dir(options.local)) as there:
+                if there:
+                    yield found.gen_dir(options.local), found.key
+                    return
+        waited = f"after {options.local_wait_seconds:g} s" if options.local_wait_seconds else "yet"
+        missing = f"{key}: no prefetched copy of {token} on this node {waited}"
+        if options.local_only:
+            raise MissingGenerationError(
+                f"{missing} (local only)", path=str(prefetched.wanted_path(options.local, key))
+            )
+        notes.append(f"{missing}: reading it from its source instead")
+    if arch in options.artifacts:
+        yield options.artifacts[arch], None
+    elif arch in options.pull:
+        with _pulled(options, options.pull[arch], target) as gen_dir:
+            yield gen_dir, None
+    elif options.store is not None:
+        yield _from_store(options.store, key), key
+    else:
+        sources = sorted({*options.artifacts, *options.pull})
+        raise MissingGenerationError(
+            f"{key}: no artifact for this node's arch {arch} "
+            f"(arches with one: {', '.join(sources) if sources else 'none'})"
+        )
+
+
+def _wait_for_local(root: Path, key: str, token: str, seconds: float) -> prefetched.Wanted | None:
+    """The node's copy for ``token``, waiting up to ``seconds`` for the prefetch to land it."""
+    deadline = time.monotonic() + seconds
+    while (found := prefetched.find(root, key, token)) is None and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return found
+
+
+@contextmanager
+def _pulled(options: Options, ref: str, target: Path | None) -> Iterator[Path]:
+    """Pull ``ref`` (verified in full on the way in) into a store beside the copy; removed
+    once the copy is made, so the pod's volume holds the generation once."""
+    from kernelcache.distribution import pull
+
+    if target is None:
+        raise SpecError("--pull needs --materialize: the artifact is pulled beside the copy")
+    scratch = target / ".pulled"
+    try:
+        result = pull(
+            ref,
+            scratch,
+            auth=options.registry_auth,
+            ca_file=options.registry_ca,
+            public_key=options.public_key,
+            require_signature=options.require_signature,
+        )
+        yield result.gen_dir
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _from_store(root: Path, key: str) -> Path:
+    store = Store(root)
+    check_store_root(store.root)
+    gen_dir = store.current(key)
+    if gen_dir is None:
+        built = _built_arches(store, key)
+        raise MissingGenerationError(
+            f"{key}: no published generation in {store.root} "
+            f"(arches built: {', '.join(built) if built else 'none'})",
+            path=str(store.key_dir(key)),
+        )
+    return gen_dir
 
 
 def _key_and_arch(options: Options, node: NodeInfo) -> tuple[str, str]:

@@ -686,7 +686,9 @@ class KernelCacheSpec(BaseModel):
         given = self.source.oci.artifacts
         for arch in self.arches():
             if arch not in given:
-                raise _rule_error(f"source.oci.artifacts.{arch}", "required: a GPU class is " + arch)
+                raise _rule_error(
+                    f"source.oci.artifacts.{arch}", "required: a GPU class is " + arch
+                )
         for arch in given:
             if arch not in self.arches():
                 raise _rule_error(
@@ -774,6 +776,20 @@ class Condition(BaseModel):
     )
 
 
+class NodeStatus(BaseModel):
+    """One node's prefetched copy of one arch (node-local prefetch)."""
+
+    model_config = _STATUS_CONFIG
+
+    node: str = Field(description="The node.")
+    arch: str = Field(pattern=ARCH, description="The SM arch of its GPU class.")
+    phase: Literal["Ready", "Pulling", "Failed"] = Field(
+        description="Ready: the current generation is on its disk; Pulling: being fetched; "
+        "Failed: the last fetch failed (it is retried)."
+    )
+    message: str | None = Field(default=None, description="Why it failed, in one line.")
+
+
 class KernelCacheStatus(BaseModel):
     """Observed state, written by the operator."""
 
@@ -794,6 +810,10 @@ class KernelCacheStatus(BaseModel):
     arches: list[ArchStatus] = Field(default_factory=list, description="One entry per arch.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Standard conditions (Ready)."
+    )
+    nodes: list[NodeStatus] = Field(
+        default_factory=list,
+        description="With node-local prefetch: each GPU node's copy of its arch's generation.",
     )
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kernelcache.controller import manifests, metrics, state
+from kernelcache.contract import LABEL_ARCH
+from kernelcache.controller import manifests, metrics, modes, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.errors import SpecError
@@ -130,6 +131,9 @@ def _reconcile_once(
     )
     plans, prepared = [], False
     for arch in kc.spec.arches():
+        if kc.spec.source is not None:
+            plans.append(state.consumed_arch(arch, kc.spec.source.oci.artifacts[arch]))
+            continue
         arch_jobs = current.get(arch, [])
         job = state.newest(arch_jobs)
         result = None
@@ -156,10 +160,40 @@ def _reconcile_once(
                 events.append(state.Event("Normal", "JobCreated", message))
         plans.append(plan)
     status = state.summarize(plans, generation, previous, now)
+    if config.prefetch_root:
+        status["nodes"] = _prefetch(kube, config, body, kc, status, owner)
     reconciled = _write(kube, body, previous, status, "ok", events, plans)
     if state.published(status) != state.published(previous):
         _record(kube, kc, uid, state.published(status))
     return reconciled
+
+
+def _prefetch(
+    kube: Kube,
+    config: OperatorConfig,
+    body: dict[str, Any],
+    kc: KernelCache,
+    status: dict[str, Any],
+    owner: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Keep a prefetch DaemonSet per GPU class on what the new status serves; each node's
+    state, from the pods they run."""
+    serving = parse_kernelcache({**_object(body), "status": status}, "status")
+    namespace = kc.metadata.namespace
+    digests = {}
+    for daemonset in modes.prefetch_daemonsets(serving, owner, config):
+        digests[daemonset["metadata"]["labels"][LABEL_ARCH]] = modes.template_digest(daemonset)
+        name = daemonset["metadata"]["name"]
+        if not kube.create(path("apps/v1", "daemonsets", namespace), daemonset):
+            existing = kube.get(path("apps/v1", "daemonsets", namespace, name))
+            if modes.template_digest(existing) != modes.template_digest(daemonset):
+                kube.patch(
+                    path("apps/v1", "daemonsets", namespace, name), {"spec": daemonset["spec"]}
+                )
+    pods = kube.list(
+        path("v1", "pods", namespace), manifests.selector(owner["uid"], modes.PREFETCH)
+    )
+    return modes.node_states(pods, digests)
 
 
 def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
