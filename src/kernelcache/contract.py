@@ -35,6 +35,10 @@ __all__ = [
     "LABEL_DIGEST",
     "LABEL_MANAGED_BY",
     "MANAGED_BY",
+    "OCI_ANNOTATION_GENERATION",
+    "OCI_ANNOTATION_KEY",
+    "OCI_ANNOTATION_LAYER",
+    "OCI_ANNOTATION_STAMP",
     "POLICIES",
     "REPORT_FILE",
     "VARIABLES",
@@ -60,6 +64,17 @@ ANNOTATION_CACHE = "kernelcache.dev/cache"
 LABEL_CACHE = "kernelcache.dev/cache"
 ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
 ANNOTATION_CONTAINERS = "kernelcache.dev/containers"
+
+# --------------------------------------------------------------------------- OCI artifacts
+
+# On a generation's OCI image manifest (``kernelcache.distribution``), in the reverse-domain
+# form OCI annotations use: what it holds, readable before any layer is fetched (a puller
+# checks each against the generation's own MANIFEST.json, never trusts it alone).
+OCI_ANNOTATION_KEY = "dev.kernelcache.key"
+OCI_ANNOTATION_GENERATION = "dev.kernelcache.generation"
+OCI_ANNOTATION_STAMP = "dev.kernelcache.stamp"
+# On each layer: the part of the generation it holds (MANIFEST.json, or files/<toolchain>).
+OCI_ANNOTATION_LAYER = "dev.kernelcache.layer"
 
 # --------------------------------------------------------------------------- the pod's files
 

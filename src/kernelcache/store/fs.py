@@ -72,6 +72,16 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable (a file written by another path than ``write_file_synced``)."""
+    with io_errors(path):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def replace_synced(path: Path, data: bytes, tmp_prefix: str) -> None:
     """Replace path with a file holding data, atomically and durably: the data is written to
     a hidden tmp_prefix* file beside it, fsynced, renamed over path and the directory fsynced.

@@ -30,6 +30,7 @@ from kernelcache.store.digests import (
 )
 from kernelcache.store.fs import (
     fsync_dir,
+    fsync_file,
     fsync_tree_dirs,
     io_errors,
     lstat_refusing_symlink,
@@ -59,7 +60,7 @@ from kernelcache.store.layout import (
 )
 from kernelcache.store.locking import holder, lock, try_lock
 from kernelcache.store.manifest import MANIFEST_FORMAT, Manifest, load_manifest, now_rfc3339
-from kernelcache.store.signing import PrivateKeyLike, private_key, signature_bytes
+from kernelcache.store.signing import PrivateKeyLike, PublicKeyLike, private_key, signature_bytes
 from kernelcache.store.verification import verify
 
 log = logging.getLogger(__name__)
@@ -377,17 +378,59 @@ class Writer:
             self._discard(staging)
             raise
 
-        gen_dir = self.key_dir / manifest.generation
+        return self._go_current(manifest, created_new, keep)
+
+    def adopt(
+        self,
+        staging: Path,
+        *,
+        public_key: PublicKeyLike | None = None,
+        require_signature: bool = False,
+        keep: int = 2,
+        workers: int | None = None,
+        digests: bool = True,
+    ) -> Manifest:
+        """Publish a generation made elsewhere, byte for byte, as the key's CURRENT one.
+
+        ``staging`` is the parent of a ``staging()`` files/ directory, holding the
+        generation's own MANIFEST.json (and signature) beside it: a pulled generation keeps
+        its manifest, its creation time and its signature, where ``publish`` would write new
+        ones. It must verify whole for this key (``public_key``, ``require_signature`` as
+        ``verify``); else the first problem is raised and nothing is published.
+        ``digests=False`` is for a caller that checked every file's digest as it wrote it.
+        The swap is a publish's: a crash leaves CURRENT naming the old or the new one.
+        """
+        self._check_open()
+        staging = Path(staging).absolute()
+        if staging not in self._stagings:
+            raise ValueError(f"{staging}: not a staging directory of this writer")
         try:
-            self._point_current(manifest.generation)
+            result = verify(
+                staging,
+                public_key=public_key,
+                require_signature=require_signature,
+                workers=workers,
+                digests=digests,
+            )
+            result.raise_for_problems()
+            manifest = result.manifest
+            assert manifest is not None
+            if manifest.key != self.key:
+                raise IntegrityError(
+                    f"{staging / MANIFEST_NAME}: published for key {manifest.key}, "
+                    f"not for {self.key}",
+                    path=str(staging / MANIFEST_NAME),
+                )
+            files_root = staging / FILES_DIR
+            files, dirs = regular_files(files_root)
+            parallel(fsync_file, [files_root / rel for rel, _ in files], workers)
+            fsync_tree_dirs(files_root, dirs, workers)
+            fsync_dir(staging)
+            manifest, created_new = self._install(staging, manifest, None, workers)
         except BaseException:
-            if created_new and self._current_or_none() != manifest.generation:
-                # CURRENT still names the old one: take back the new one
-                with suppress(StorageError):
-                    _trash(self.key_dir, gen_dir)
+            self._discard(staging)
             raise
-        self._collect(keep, gen_dir)
-        return manifest
+        return self._go_current(manifest, created_new, keep)
 
     def make_current_again(
         self,
@@ -422,6 +465,21 @@ class Writer:
             self._collect(keep, path)
             return result.manifest
         return None
+
+    def _go_current(self, manifest: Manifest, created_new: bool, keep: int) -> Manifest:
+        """Point CURRENT at an installed generation, then collect old ones; a new generation
+        is taken back when CURRENT could not be pointed at it."""
+        gen_dir = self.key_dir / manifest.generation
+        try:
+            self._point_current(manifest.generation)
+        except BaseException:
+            if created_new and self._current_or_none() != manifest.generation:
+                # CURRENT still names the old one: take back the new one
+                with suppress(StorageError):
+                    _trash(self.key_dir, gen_dir)
+            raise
+        self._collect(keep, gen_dir)
+        return manifest
 
     def _current_or_none(self) -> str | None:
         with suppress(KernelCacheError):

@@ -1,0 +1,225 @@
+"""The registry client: a thin layer over oras-py's ``Registry``, which speaks the
+distribution API (auth challenges, tokens, upload sessions, TLS with a CA bundle).
+
+What this layer adds and why: manifests are sent and read as bytes (oras-py re-serializes a
+dict, and a manifest's digest is that of its exact bytes); requests are not retried with
+oras-py's backoff (minutes before an unreachable registry is reported); credentials are
+sent from the first request (a basic-auth registry would otherwise see every body twice);
+every failure becomes one line of its exit class.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kernelcache.distribution.auth import Credentials
+from kernelcache.distribution.reference import Reference
+from kernelcache.errors import (
+    IntegrityError,
+    KernelCacheError,
+    MissingGenerationError,
+    StorageError,
+    one_line,
+)
+
+# A manifest is a page of JSON; more than this is not one of ours (and is not read whole).
+MAX_MANIFEST_BYTES = 4 << 20
+# Blobs above this go up in chunks of this size: oras-py reads a monolithic upload into memory.
+CHUNK = 64 << 20
+# What a blob read hands on at a time.
+READ_CHUNK = 1 << 20
+
+
+def _oras() -> Any:
+    try:
+        import oras.provider
+    except ModuleNotFoundError as exc:
+        raise KernelCacheError(
+            f"OCI distribution: {exc.name} is missing; install kernelcache[oci]"
+        ) from None
+    return oras
+
+
+class Client:
+    """One repository of one registry, spoken to through oras-py."""
+
+    def __init__(
+        self,
+        ref: Reference,
+        credentials: Credentials | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        oras = _oras()
+        self.ref = ref
+        verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
+        self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=verify)
+        self._container = oras.container.Container(ref.name)
+        self._credentials = credentials
+        self._authenticated = False
+
+    # ---------------------------------------------------------------- requests
+
+    def _url(self, path: str) -> str:
+        return f"https://{self.ref.registry}/v2/{self.ref.repository}/{path}"
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        """One request, authenticated."""
+        self._ensure_authenticated()
+        with self._transport_errors():
+            try:
+                return self._registry.do_request(url, method, **kwargs)
+            except ValueError as exc:  # oras-py: an authentication challenge it cannot answer
+                raise StorageError(f"{self.ref.registry}: {one_line(exc)}") from exc
+
+    @contextmanager
+    def _transport_errors(self) -> Iterator[None]:
+        """A failure to reach the registry as one StorageError line (exit class IO)."""
+        import requests
+
+        try:
+            yield
+        except requests.exceptions.SSLError as exc:
+            raise StorageError(
+                f"{self.ref.registry}: TLS refused: {_reason(exc)} (a CA bundle: --ca-file)"
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise StorageError(f"{self.ref.registry}: unreachable: {_reason(exc)}") from exc
+
+    def _ensure_authenticated(self) -> None:
+        """Pick oras-py's backend from the registry's challenge to ``/v2/``: a token service
+        (``Bearer``) is asked for a token with the credentials; a registry that asks for
+        ``Basic`` gets them on every request from the first."""
+        if self._authenticated:
+            return
+        with self._transport_errors():
+            ping = self._registry.session.get(
+                f"https://{self.ref.registry}/v2/", verify=self._registry._tls_verify
+            )
+        self._authenticated = True
+        basic = ping.headers.get("Www-Authenticate", "").lower().startswith("basic")
+        if basic:
+            if self._credentials is None:
+                raise StorageError(
+                    f"{self.ref.registry}: asks for credentials and none were given "
+                    "(--authfile, DOCKER_CONFIG or ~/.docker/config.json)"
+                )
+            self._registry.auth = _oras().auth.get_auth_backend(
+                "basic", self._registry.session, tls_verify=self._registry._tls_verify
+            )
+        if self._credentials is not None:
+            self._registry.auth.set_basic_auth(
+                self._credentials.username, self._credentials.password
+            )
+            if basic:
+                self._registry.headers.update(self._registry.auth.get_auth_header())
+
+    def _check(self, response: Any, what: str) -> None:
+        if response.status_code in (200, 201, 202):
+            return
+        status = response.status_code
+        if status in (401, 403):
+            raise StorageError(f"{what}: the registry refused the credentials (HTTP {status})")
+        raise StorageError(f"{what}: HTTP {status} {_error_text(response)}")
+
+    # ---------------------------------------------------------------- manifests
+
+    def get_manifest(self, reference: str, accept: tuple[str, ...]) -> tuple[bytes, str]:
+        """A manifest's exact bytes and media type; a missing one is MissingGenerationError."""
+        url = self._url(f"manifests/{reference}")
+        what = (
+            f"{self.ref.name}@{reference}" if ":" in reference else f"{self.ref.name}:{reference}"
+        )
+        headers = {"Accept": ", ".join(accept)}
+        with self._request("GET", url, headers=headers, stream=True) as response:
+            if response.status_code == 404:
+                raise MissingGenerationError(f"{what}: not in the registry")
+            self._check(response, what)
+            data = response.raw.read(MAX_MANIFEST_BYTES + 1, decode_content=True)
+            media_type = response.headers.get("Content-Type", "")
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"{what}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+        return data, media_type.split(";")[0].strip()
+
+    def put_manifest(self, reference: str, data: bytes, media_type: str) -> None:
+        """Upload a manifest as these very bytes (its digest is theirs)."""
+        url = self._url(f"manifests/{reference}")
+        headers = {"Content-Type": media_type}
+        response = self._request("PUT", url, data=data, headers=headers)
+        self._check(response, f"{self.ref.name}: manifest {reference}")
+
+    # ---------------------------------------------------------------- blobs
+
+    def has_blob(self, digest: str) -> bool:
+        response = self._request("HEAD", self._url(f"blobs/{digest}"))
+        return bool(response.status_code == 200)
+
+    def upload_blob(self, path: Path, digest: str, size: int) -> None:
+        """Upload a file as a blob (in chunks when big), unless the registry holds it."""
+        layer = {"digest": digest, "size": size}
+        self._ensure_authenticated()
+        try:
+            response = self._registry.upload_blob(
+                os.fspath(path), self._container, layer, do_chunked=size > CHUNK, chunk_size=CHUNK
+            )
+        except ValueError as exc:  # oras-py: an upload session it could not follow
+            raise StorageError(f"{self.ref.name}: blob {digest}: {one_line(exc)}") from exc
+        self._check(response, f"{self.ref.name}: blob {digest}")
+
+    @contextmanager
+    def blob(self, digest: str, what: str) -> Iterator[Iterator[bytes]]:
+        """A blob's bytes as they arrive (unchecked: the caller hashes them)."""
+        response = self._request("GET", self._url(f"blobs/{digest}"), stream=True)
+        with response:
+            if response.status_code == 404:
+                raise IntegrityError(f"{what}: missing from the registry")
+            self._check(response, what)
+            yield self._chunks(response, what)
+
+    def _chunks(self, response: Any, what: str) -> Iterator[bytes]:
+        import requests
+
+        try:
+            yield from response.iter_content(READ_CHUNK)
+        except requests.exceptions.RequestException as exc:
+            raise StorageError(f"{what}: the download broke off: {_reason(exc)}") from exc
+
+
+def _unretried_registry(oras: Any) -> type:
+    """oras-py's Registry without its retry loop (five tries, sleeping 3 to 83 s between
+    them, for any error: an unreachable registry took minutes to report). A pull that fails
+    is retried by whoever runs it (the kubelet, the Job's backoff), at once and visibly.
+    Every request carries the client's own headers (the basic credentials), which oras-py
+    adds to some requests only."""
+    unretried = oras.provider.Registry.do_request.__wrapped__
+
+    class Registry(oras.provider.Registry):
+        def do_request(
+            self, url: str, method: str = "GET", *args: Any, headers: Any = None, **kwargs: Any
+        ) -> Any:
+            return unretried(
+                self, url, method, *args, headers={**self.headers, **(headers or {})}, **kwargs
+            )
+
+    return Registry
+
+
+def _reason(exc: Exception) -> str:
+    """The innermost reason of a requests failure (urllib3 wraps it several times)."""
+    reason: BaseException = exc
+    while reason.__context__ is not None and len(str(reason.__context__)) < len(str(reason)):
+        reason = reason.__context__
+    return one_line(reason)[:300]
+
+
+def _error_text(response: Any) -> str:
+    """The registry's own error code and message (the distribution API's errors list)."""
+    try:
+        errors = response.json().get("errors") or []
+        first = errors[0]
+        return one_line(f"{first.get('code', '')}: {first.get('message', '')}")[:200]
+    except Exception:
+        return one_line(response.reason or "")[:200]
