@@ -133,6 +133,8 @@ class Outcome:
     dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     vllm_files: int = 0  # copied to the vLLM cache root the generation was built at
+    source: str = "store"  # store | local (the node's prefetched copy) | artifact | pull
+    waited_seconds: float = 0.0  # for the node's copy to land
 
     @property
     def summary(self) -> str:
@@ -144,9 +146,15 @@ class Outcome:
             )
         # The digests were checked on the bytes as they were copied.
         seconds = self.verify_seconds + self.materialize_seconds
+        source = {
+            "store": "",
+            "local": f" from this node's prefetched copy (waited {self.waited_seconds:.1f} s)",
+            "artifact": " from its image volume",
+            "pull": " pulled by digest",
+        }[self.source]
         return (
             f"{head}{len(self.manifest.files)} files, {self.manifest.total_bytes / 1e6:.1f} MB "
-            f"checked and materialized at {self.materialized} in {seconds:.2f} s"
+            f"checked and materialized at {self.materialized}{source} in {seconds:.2f} s"
         )
 
 
@@ -180,12 +188,11 @@ def run(
         or (nodemap.reader(options.node_map) if options.node_map is not None else None),
     )
     key, arch = _key_and_arch(options, node)
-    notes: list[str] = []
-    with _located(options, key, arch, target, notes) as (gen_dir, bound_key):
+    found = _Found()
+    with _located(options, key, arch, target, found) as (gen_dir, bound_key):
         outcome = _verify_and_materialize(
-            options, gen_dir, bound_key, arch, node, target, env, public_key
+            options, gen_dir, bound_key, arch, node, target, env, public_key, found
         )
-    outcome.warnings[:0] = notes
     return outcome
 
 
@@ -198,6 +205,7 @@ def _verify_and_materialize(
     target: Path | None,
     env: Mapping[str, str] | None,
     public_key: Any,
+    found: _Found,
 ) -> Outcome:
     """Steps 3 to 5 on the generation found. ``key`` None: an artifact, whose manifest names
     the key it was built for (another cluster's, perhaps); it must be of this node's arch."""
@@ -240,7 +248,9 @@ def _verify_and_materialize(
         bytes_checked=result.bytes_checked,
         verify_seconds=result.seconds,
         dropped=dropped,
-        warnings=[warning] if warning else [],
+        warnings=[*found.notes, *([warning] if warning else [])],
+        source=found.source,
+        waited_seconds=found.waited_seconds,
     )
     if target is not None:
         started = time.monotonic()
@@ -255,18 +265,30 @@ def _verify_and_materialize(
 # --------------------------------------------------------------------------- the source
 
 
+@dataclass
+class _Found:
+    """Where ``_located`` found the generation, for the summary and the report."""
+
+    source: str = "store"
+    waited_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
 @contextmanager
 def _located(
-    options: Options, key: str, arch: str, target: Path | None, notes: list[str]
+    options: Options, key: str, arch: str, target: Path | None, found_at: _Found
 ) -> Iterator[tuple[Path, str | None]]:
     """The generation directory for this node and the key to bind it to (None: the
     artifact's own), held while it is read: the node's prefetched copy first (locked against
     eviction), else the arch's image volume, its pull, or the store."""
     if options.local is not None and (token := options.want.get(arch)):
+        started = time.monotonic()
         found = _wait_for_local(options.local, key, token, options.local_wait_seconds)
+        found_at.waited_seconds = time.monotonic() - started
         if found is not None:
             with prefetched.reading(found.gen_dir(options.local)) as there:
                 if there:
+                    found_at.source = "local"
                     yield found.gen_dir(options.local), found.key
                     return
         waited = f"after {options.local_wait_seconds:g} s" if options.local_wait_seconds else "yet"
@@ -275,10 +297,12 @@ def _located(
             raise MissingGenerationError(
                 f"{missing} (local only)", path=str(prefetched.wanted_path(options.local, key))
             )
-        notes.append(f"{missing}: reading it from its source instead")
+        found_at.notes.append(f"{missing}: reading it from its source instead")
     if arch in options.artifacts:
+        found_at.source = "artifact"
         yield options.artifacts[arch], None
     elif arch in options.pull:
+        found_at.source = "pull"
         with _pulled(options, options.pull[arch], target) as gen_dir:
             yield gen_dir, None
     elif options.store is not None:
@@ -422,6 +446,8 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         "bytes_checked": outcome.bytes_checked,
         "verify_seconds": round(outcome.verify_seconds, 3),
         "materialize_seconds": round(outcome.materialize_seconds, 3),
+        "source": outcome.source,
+        "waited_seconds": round(outcome.waited_seconds, 3),
     }
     if (root := vllm_root.recorded_root(outcome.manifest)) is not None:
         report.update(vllm_cache_root=str(root), vllm_files=outcome.vllm_files)

@@ -9,8 +9,11 @@ init-container meet as they do on a real cluster:
   do not grant, the admission chain from the stored webhook configurations over TLS with
   their ``caBundle`` (``objectSelector``, ``failurePolicy``), and the API over HTTPS for
   in-cluster clients;
-- ``controllers``: Deployment, ReplicaSet, Job, garbage collector and a scheduler;
-- ``kubelet``: every container from its pod spec as a host process, in a private mount
+- ``controllers``: Deployment, ReplicaSet, Job, DaemonSet (a pod per matching node, nodes
+  read on every pass so one can join later), garbage collector and a scheduler;
+- ``kubelet``: image volumes (the image pulled by digest with skopeo and the pod's pull
+  secrets, its layers unpacked, mounted read-only) and ``hostPath`` (a disk per node);
+  every container from its pod spec as a host process, in a private mount
   namespace: exact command, args and env (downward API filled in), volumes at their mount
   paths in the kubelet's layout, the service-account token, runAsUser/runAsGroup/fsGroup,
   a read-only root, and the base image's own user database;
@@ -26,8 +29,8 @@ scratch tmpfs); probes (a pod is an endpoint once its containers run); graceful 
 ``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``, rolling updates; admission on
 anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity, quotas, schema
 validation (``kubectl --validate=false``); volume kinds other than emptyDir, claims,
-ConfigMaps, Secrets and downward API (a claim is a directory per claim, provisioned on its
-first mount); the kubelet refreshing mounted ConfigMaps in a running pod; ``kubectl logs``
+ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per claim,
+provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running pod; ``kubectl logs``
 and ``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet.
 It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
 """
@@ -137,6 +140,10 @@ class Cluster:
     def claim_dir(self, namespace: str, claim: str) -> Path:
         return self.kubelet.claim_dir(namespace, claim)
 
+    def node_disk(self, node: str) -> Path:
+        """A node's local disk: where its hostPath volumes lie."""
+        return self.kubelet.node_disk(node)
+
 
 def _endpoints(api: ClusterAPI) -> Any:
     def resolve(namespace: str, name: str, port: int) -> int:
@@ -164,8 +171,14 @@ def _endpoints(api: ClusterAPI) -> Any:
 
 
 @contextmanager
-def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) -> Iterator[Cluster]:
-    """A running cluster of ``nodes`` whose kubelet knows ``images`` (by reference)."""
+def cluster(
+    tmp: Path,
+    images: dict[str, Image],
+    nodes: list[dict[str, Any]],
+    registry_cert_dir: Path | None = None,
+) -> Iterator[Cluster]:
+    """A running cluster of ``nodes`` whose kubelet knows ``images`` (by reference) and
+    pulls image volumes from registries trusted through ``registry_cert_dir`` (skopeo's)."""
     reason = missing()
     if reason is not None:
         raise RuntimeError(reason)
@@ -196,6 +209,7 @@ def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) ->
         for node in nodes:
             kube.create("/api/v1/nodes", node)
         kubelet = Kubelet(kube, tmp / "kubelet", images, api, tls_port, ca)
+        kubelet.registry_cert_dir = registry_cert_dir
         controllers = Controllers(kube, nodes)
         the = Cluster(api, kube, config, kubelet, tmp)
         stop = threading.Event()

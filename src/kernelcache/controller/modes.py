@@ -171,7 +171,7 @@ def prefetch_daemonset(
     kc: KernelCache, gpu_class: GpuClass, token: str, owner: dict[str, Any], config: OperatorConfig
 ) -> dict[str, Any]:
     """Pods on the class's nodes (its nodeSelector and tolerations) whose init-containers
-    fetch the arch's generation into the node's root, then hold (a pause container): a
+    fetch the arch's generation into the node's root, then hold (``sleep``, same image): a
     pod's phase is the node's prefetch state (``node_states``). The template names what it
     fetches, so a new generation is a new template and each node fetches it."""
     arch = gpu_class.arch
@@ -213,7 +213,7 @@ def prefetch_daemonset(
         "initContainers": [
             {  # the hostPath is made root's: give it to the prefetch user (CAP_CHOWN only)
                 "name": "root-ownership",
-                "image": config.cleanup_image,
+                "image": config.init_image,
                 "command": ["chown", owner_uid, LOCAL_DIR],
                 "securityContext": {
                     **_CONTAINER_SECURITY,
@@ -236,7 +236,7 @@ def prefetch_daemonset(
         "containers": [
             {
                 "name": "hold",
-                "image": config.cleanup_image,
+                "image": config.init_image,
                 "command": ["sleep", "2147483647"],
                 "securityContext": _CONTAINER_SECURITY,
             }
