@@ -30,8 +30,8 @@ scratch tmpfs); probes (a pod is an endpoint once its containers run); graceful 
 anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity, quotas, schema
 validation (``kubectl --validate=false``); volume kinds other than emptyDir, claims,
 ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per claim,
-provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running pod; ``kubectl logs``
-and ``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet.
+provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running
+pod; ``kubectl logs`` and ``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet.
 It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
 """
 
