@@ -31,8 +31,8 @@ anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity, quo
 validation (``kubectl --validate=false``); volume kinds other than emptyDir, claims,
 ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per claim,
 provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running
-pod; ``kubectl logs`` and ``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet.
-It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
+pod; ``kubectl logs`` and ``exec`` (``Cluster.logs`` reads a container's log instead);
+events from the kubelet. It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
 """
 
 from __future__ import annotations
