@@ -54,7 +54,7 @@ class Synced:
         gone = f"; evicted {', '.join(self.evicted)}" if self.evicted else ""
         return (
             f"{self.key}: generation {self.wanted.generation} ({self.wanted.token}) {what}; "
-            f"{self.used_bytes / 1e6:.1f} MB used on this node{gone}"
+            f"{_amount(self.used_bytes)} used on this node{gone}"
         )
 
 
@@ -147,6 +147,10 @@ def used(root: Path) -> int:
     return sum(_size(gen_dir) for gen_dir in copies(root))
 
 
+def _amount(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size} bytes"
+
+
 def _make_room(root: Path, incoming: int, limit: int, keep: set[Path], new: int) -> list[str]:
     """Evict until ``incoming`` more bytes fit within ``limit``; raise if they cannot."""
     named = {w.gen_dir(root) for w in all_wanted(root).values()} | keep
@@ -172,9 +176,9 @@ def _make_room(root: Path, incoming: int, limit: int, keep: set[Path], new: int)
             shutil.rmtree(gen_dir, ignore_errors=True)
         need = incoming or new
         raise StorageError(
-            f"{root}: a generation of {need / 1e6:.1f} MB does not fit the prefetch limit of "
-            f"{limit / 1e6:.1f} MB ({(total - new) / 1e6:.1f} MB held by copies in use or "
-            "named by a KernelCache)",
+            f"{root}: a generation of {_amount(need)} does not fit the prefetch limit of "
+            f"{_amount(limit)} ({_amount(total - new)} held by copies in use or named by a "
+            "KernelCache)",
             path=str(root),
         )
     return evicted
