@@ -40,6 +40,8 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -143,6 +145,61 @@ class Cluster:
     def node_disk(self, node: str) -> Path:
         """A node's local disk: where its hostPath volumes lie."""
         return self.kubelet.node_disk(node)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serves_tls(port: int) -> bool:
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=1) as raw,
+            context.wrap_socket(raw),
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``helm template`` the chart with ``values`` (plus one replica and free ports: pods
+    share the host's network) and apply it; returns the operator pod once its webhook
+    serves."""
+    webhook = free_port()
+    values = {
+        "replicaCount": 1,
+        "operator": {"livenessPort": free_port(), "metricsPort": free_port()},
+        "webhook": {"port": webhook},
+        **values,
+    }
+    file = the.tmp / "values.yaml"
+    file.write_text(yaml.safe_dump(values))
+    rendered = subprocess.run(
+        [str(HELM), "template", "kc", str(REPO / "charts" / "kernelcache"),
+         "--namespace", namespace, "-f", str(file)],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    applied = the.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered)
+    if applied.returncode != 0:
+        raise AssertionError(applied.stderr)
+    selector = "app.kubernetes.io/name=kernelcache"
+
+    def serving() -> dict[str, Any] | None:
+        pods = [p for p in the.pods(namespace, selector) if p["metadata"].get("ownerReferences")]
+        running = len(pods) == 1 and (pods[0].get("status") or {}).get("phase") == "Running"
+        return pods[0] if running and serves_tls(webhook) else None
+
+    deadline = time.monotonic() + 300
+    while (pod := serving()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the operator's webhook did not serve: {the.errors[-1:]}")
+        time.sleep(0.5)
+    return pod
 
 
 def _endpoints(api: ClusterAPI) -> Any:
