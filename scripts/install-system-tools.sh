@@ -2,7 +2,9 @@
 # Installs the system programs the tests drive, from Debian packages, when they are missing:
 # promtool and the prometheus server (the alert-rule tests and the end-to-end Prometheus
 # test), g++ (inductor's C++ backend for the torch.compile tests), unshare (the read-only
-# worlds of the key-matrix and least-privilege tests).
+# worlds of the key-matrix and least-privilege tests), docker-registry, skopeo and htpasswd
+# (the OCI push and pull tests: a real registry with TLS and basic auth, and an independent
+# client reading what was pushed).
 #
 # Missing ones are installed with apt-get when this runs as root. Otherwise, under CI (CI set)
 # it fails naming what is missing; elsewhere it says which tests will skip and how to
@@ -10,7 +12,8 @@
 set -euo pipefail
 
 # program:Debian package
-TOOLS=(promtool:prometheus prometheus:prometheus g++:g++ unshare:util-linux)
+TOOLS=(promtool:prometheus prometheus:prometheus g++:g++ unshare:util-linux
+    docker-registry:docker-registry skopeo:skopeo htpasswd:apache2-utils)
 
 missing() {
     for entry in "${TOOLS[@]}"; do

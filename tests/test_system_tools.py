@@ -19,7 +19,14 @@ from tests.conftest import REPO
 
 SCRIPT = REPO / "scripts" / "install-system-tools.sh"
 BASICS = ("bash", "id", "sort", "tr", "sed", "chmod")
-PROGRAMS = {"prometheus": ["promtool", "prometheus"], "g++": ["g++"], "util-linux": ["unshare"]}
+PROGRAMS = {
+    "prometheus": ["promtool", "prometheus"],
+    "g++": ["g++"],
+    "util-linux": ["unshare"],
+    "docker-registry": ["docker-registry"],
+    "skopeo": ["skopeo"],
+    "apache2-utils": ["htpasswd"],
+}
 FAKE_APT = """#!{bash}
 echo "$@" >> {log}
 [ "$1" = install ] || exit 0
@@ -28,6 +35,9 @@ for arg in "$@"; do
         prometheus) programs="promtool prometheus" ;;
         g++) programs="g++" ;;
         util-linux) programs="unshare" ;;
+        docker-registry) programs="docker-registry" ;;
+        skopeo) programs="skopeo" ;;
+        apache2-utils) programs="htpasswd" ;;
         *) continue ;;
     esac
     for program in $programs; do
@@ -70,6 +80,11 @@ def test_under_ci_a_missing_program_fails_naming_it_and_its_package(tmp_path: Pa
     (line,) = done.stderr.strip().splitlines()
     assert "promtool (Debian package prometheus)" in line
     assert "g++ (Debian package g++)" in line
+    assert "docker-registry (Debian package docker-registry)" in line
+    assert (
+        "skopeo (Debian package skopeo)" in line
+        and "htpasswd (Debian package apache2-utils)" in line
+    )
 
 
 def test_elsewhere_a_missing_program_is_named_with_the_tests_that_will_skip(tmp_path: Path) -> None:
@@ -77,7 +92,7 @@ def test_elsewhere_a_missing_program_is_named_with_the_tests_that_will_skip(tmp_
     assert done.returncode == 0
     (line,) = done.stderr.strip().splitlines()
     assert "promtool (Debian package prometheus)" in line and "will skip" in line
-    assert "apt-get install g++ prometheus util-linux" in line
+    assert "apt-get install apache2-utils docker-registry g++ prometheus skopeo util-linux" in line
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the install path runs as root")
@@ -87,7 +102,8 @@ def test_as_root_missing_programs_are_installed_with_apt_get(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "apt.log").read_text().splitlines() == [
         "update -qq",
-        "install -y -qq --no-install-recommends g++ prometheus util-linux",
+        "install -y -qq --no-install-recommends apache2-utils docker-registry g++ prometheus skopeo"
+        " util-linux",
     ]
     for programs in PROGRAMS.values():
         assert all((bin_dir / p).exists() for p in programs)

@@ -1,4 +1,5 @@
-"""The ``kernelcache`` command: build, warm, verify, explain, inspect, gc, doctor, keygen.
+"""The ``kernelcache`` command: build, warm, verify, explain, inspect, gc, push, pull, doctor,
+keygen.
 
 Each subcommand makes one library call. Every failure prints one line naming the file,
 factor or field at fault and exits with the code of its class (listed in ``--help``); an
@@ -447,6 +448,59 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    """Push the key's current generation (or --generation) to a registry as an OCI artifact,
+    image-shaped (an image volume can mount it), signed with --signing-key; prints
+    REGISTRY/REPOSITORY@sha256:..., the reference to pull.
+
+    Credentials: --authfile, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json.
+    """
+    from kernelcache import distribution
+
+    result = distribution.push(
+        args.store,
+        args.key,
+        args.ref,
+        generation=args.generation,
+        auth=args.authfile,
+        ca_file=args.ca_file,
+        signing_key=args.signing_key,
+        gzip=args.gzip,
+    )
+    if args.json:
+        output.print_json(asdict(result))
+    else:
+        print(result.ref_digest)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Pull a generation by digest (never a tag) into a store as its key's CURRENT one,
+    every blob, file and signature checked on the way in; a refusal leaves the store as it
+    was. Credentials as for push (a Kubernetes pull secret's .dockerconfigjson works too).
+    """
+    from kernelcache import distribution
+
+    result = distribution.pull(
+        args.ref,
+        args.store,
+        key=args.key,
+        auth=args.authfile,
+        ca_file=args.ca_file,
+        public_key=args.public_key,
+        require_signature=args.require_signature,
+    )
+    if args.json:
+        output.print_json({**asdict(result), "gen_dir": str(result.gen_dir)})
+    else:
+        signed = ", signature verified" if result.signature_verified else ""
+        print(
+            f"{result.key}: generation {result.generation} from {result.ref_digest} "
+            f"({result.files} files, {result.bytes:,} bytes{signed})"
+        )
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the Kubernetes operator until stopped; it is configured by KERNELCACHE_OPERATOR_*."""
     try:
@@ -696,6 +750,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
     json_arg(p, "gc.json")
+
+    def registry_args(p: Any) -> None:
+        p.add_argument(
+            "--authfile",
+            type=_path,
+            help="docker config or .dockerconfigjson with the registry's credentials",
+        )
+        p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
+
+    p = add("push", cmd_push, "push a generation to an OCI registry")
+    store_arg(p)
+    p.add_argument("--key", required=True, help="NAMESPACE/NAME/ARCH")
+    p.add_argument("ref", metavar="REF", help="REGISTRY/REPOSITORY[:TAG] (tag: the generation id)")
+    p.add_argument("--generation", help="this generation of the key (default: the current one)")
+    p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the artifact")
+    p.add_argument("--gzip", action="store_true", help="compress the layers")
+    registry_args(p)
+    json_arg(p, "push.json")
+
+    p = add("pull", cmd_pull, "pull a generation by digest from an OCI registry into a store")
+    p.add_argument("ref", metavar="REF", help="REGISTRY/REPOSITORY@sha256:<hex> (a digest)")
+    store_arg(p)
+    p.add_argument("--key", help="NAMESPACE/NAME/ARCH the artifact must be of")
+    p.add_argument("--public-key", type=_path, help="ed25519 public key: the signature must verify")
+    p.add_argument("--require-signature", action="store_true", help="refuse unsigned artifacts")
+    registry_args(p)
+    json_arg(p, "pull.json")
 
     p = add("operator", cmd_operator, "run the Kubernetes operator (kopf)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")

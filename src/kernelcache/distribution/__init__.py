@@ -10,15 +10,17 @@ says why each choice was made.
 """
 
 from kernelcache.distribution.auth import Credentials, credentials_for
-from kernelcache.distribution.oci import PullResult, PushResult, pull, push
+from kernelcache.distribution.oci import Artifact, PullResult, PushResult, describe, pull, push
 from kernelcache.distribution.reference import Reference
 
 __all__ = [
+    "Artifact",
     "Credentials",
     "PullResult",
     "PushResult",
     "Reference",
     "credentials_for",
+    "describe",
     "pull",
     "push",
 ]

@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -50,6 +51,7 @@ from kernelcache.errors import (
 )
 from kernelcache.store.digests import FileEntry
 from kernelcache.store.fs import (
+    fsync_file,
     io_errors,
     make_dirs,
     parallel,
@@ -76,6 +78,8 @@ from kernelcache.store.writer import Store
 _SMALL_BLOB = 64 << 20
 _READ = 1 << 20
 # A pulled file is new (two entries of one name are refused), and never through a symlink.
+# Threads that fsync pulled files while more arrive (the disk's queue, not the CPU, bounds it).
+_SYNC_THREADS = 4
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -256,6 +260,75 @@ def _push_signature(
     client.put_manifest(artifact.signature_tag(subject.digest), data, artifact.MANIFEST_MEDIA_TYPE)
 
 
+@dataclass(frozen=True)
+class Artifact:
+    """What an artifact's manifest says, its digest and (with a key) its signature checked;
+    no layer fetched. The generation itself is only checked by ``pull``, or by ``verify`` on
+    an image volume that mounts it."""
+
+    ref_digest: str
+    key: str
+    generation: str
+    stamp: str  # the stamp digest
+    layers: int
+    bytes: int  # the layers' size, as stored
+    signature_verified: bool
+
+
+def describe(
+    ref: str,
+    *,
+    auth: AuthLike = None,
+    ca_file: str | os.PathLike[str] | None = None,
+    public_key: PublicKeyLike | None = None,
+) -> Artifact:
+    """Read ``ref``'s manifest (by digest), check its bytes against the digest and, with
+    ``public_key``, its signature: what a consumer records before it pulls or mounts it (the
+    generation id names an image volume's mount, so that ``verify --key`` holds)."""
+    reference, _, image, public = _open(ref, auth, ca_file, public_key, False)
+    assert reference.digest is not None
+    return Artifact(
+        ref_digest=reference.with_digest(reference.digest),
+        key=image.key,
+        generation=image.generation,
+        stamp=image.stamp,
+        layers=len(image.layers),
+        bytes=sum(layer.size for layer in image.layers),
+        signature_verified=public is not None,
+    )
+
+
+def _open(
+    ref: str,
+    auth: AuthLike,
+    ca_file: str | os.PathLike[str] | None,
+    public_key: PublicKeyLike | None,
+    require_signature: bool,
+) -> tuple[Reference, Client, ImageManifest, Ed25519PublicKey | None]:
+    """The reference (a digest), a client, the manifest checked against the digest and
+    (with a key) its signature, and the key to check the generation with."""
+    reference = Reference.parse(ref)
+    if reference.digest is None:
+        raise SpecError(
+            f"{ref}: pull takes a digest (REGISTRY/REPOSITORY@sha256:<hex>), not a tag, which "
+            "can move: kernelcache push prints the digest"
+        )
+    digest, name = reference.digest, reference.with_digest(reference.digest)
+    public = _public_key(public_key)
+    if require_signature and public is None:
+        raise SignatureError(f"{name}: a signature is required but no public key was given")
+    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
+    data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
+    if (served := artifact.digest_of(data)) != digest:
+        raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")
+    image = artifact.parse_image_manifest(data, name)
+    if public is not None:
+        _check_signature(client, reference, digest, public)
+    if (problem := key_problem(image.key)) is not None:
+        raise ManifestError(f"{name}: annotation {contract.OCI_ANNOTATION_KEY}: {problem}")
+    return reference, client, image, public
+
+
 def pull(
     ref: str,
     store: str | os.PathLike[str],
@@ -280,25 +353,9 @@ def pull(
     or the store unwritable 10, a tag instead of a digest 2. ``keep``: as ``Writer.publish``.
     """
     started = time.monotonic()
-    reference = Reference.parse(ref)
-    if reference.digest is None:
-        raise SpecError(
-            f"{ref}: pull takes a digest (REGISTRY/REPOSITORY@sha256:<hex>), not a tag, which "
-            "can move: kernelcache push prints the digest"
-        )
-    digest, name = reference.digest, reference.with_digest(reference.digest)
-    public = _public_key(public_key)
-    if require_signature and public is None:
-        raise SignatureError(f"{name}: a signature is required but no public key was given")
-    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
-    data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
-    if (served := artifact.digest_of(data)) != digest:
-        raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")
-    image = artifact.parse_image_manifest(data, name)
-    if public is not None:
-        _check_signature(client, reference, digest, public)
-    if (problem := key_problem(image.key)) is not None:
-        raise ManifestError(f"{name}: annotation {contract.OCI_ANNOTATION_KEY}: {problem}")
+    reference, client, image, public = _open(ref, auth, ca_file, public_key, require_signature)
+    assert reference.digest is not None
+    name = reference.with_digest(reference.digest)
     if key is not None and image.key != str(key):
         raise IntegrityError(f"{name}: an artifact of key {image.key}, not of {key}")
     config = _small_blob(client, image.config, f"{name}: config {image.config.digest}")
@@ -373,7 +430,8 @@ def _check_signature(
     try:
         signatures = artifact.parse_signatures(data, source)
     except ManifestError as exc:
-        raise SignatureError(f"{exc.message}") from exc
+        raise SignatureError(exc.message) from exc
+    replayed = None
     for i, (descriptor, encoded) in enumerate(signatures):
         payload = _small_blob(client, descriptor, f"{source}: signature {i}")
         try:
@@ -383,11 +441,13 @@ def _check_signature(
             continue
         if vouches_for == digest:
             return
-    what = (
-        "is not by this public key (signed by another key, or altered)"
-        if signatures
-        else "holds no signature"
-    )
+        replayed = vouches_for  # by this key, but of another manifest: copied here
+    if replayed is not None:
+        what = f"signs another artifact ({replayed})"
+    elif signatures:
+        what = "is not by this public key (signed by another key, or altered)"
+    else:
+        what = "holds no signature"
     raise SignatureError(f"{name}: the signature under tag {tag} {what}")
 
 
@@ -457,19 +517,34 @@ def _unpack_files(
     workers: int | None,
 ) -> None:
     """Stream the file layers (in parallel) into staging/files/, each file checked as it is
-    written; every file MANIFEST.json lists must have come."""
+    written; every file MANIFEST.json lists must have come.
+
+    Each file is fsynced as soon as it is written, on threads of its own, so the disk writes
+    while the network delivers (``Writer.adopt``'s own fsyncs then find clean files): syncing
+    them all at the end cost as much again as the download.
+    """
     entries = {f"{FILES_DIR}/{e.path}": e for e in manifest.files}
     make_dirs(staging / FILES_DIR, (e.path for e in manifest.files))
+    syncs: list[Future[None]] = []
+    with ThreadPoolExecutor(max_workers=_SYNC_THREADS) as syncer:
 
-    def fetch(item: tuple[int, Descriptor]) -> set[str]:
-        index, layer = item
-        what = _describe(name, index, layer)
-        writer = _FileWriter(staging, layer.subtree, entries, what)
-        _fetch_layer(client, layer, diff_ids[index], what, writer)
-        return writer.written
+        def fetch(item: tuple[int, Descriptor]) -> set[str]:
+            index, layer = item
+            what = _describe(name, index, layer)
+            writer = _FileWriter(staging, layer.subtree, entries, what)
+            writer.on_written = lambda path: syncs.append(syncer.submit(fsync_file, path))
+            _fetch_layer(client, layer, diff_ids[index], what, writer)
+            return writer.written
 
-    layers = list(enumerate(image.file_layers, 1))
-    written: set[str] = set().union(*parallel(fetch, layers, workers))
+        try:
+            layers = list(enumerate(image.file_layers, 1))
+            written: set[str] = set().union(*parallel(fetch, layers, workers))
+        except BaseException:
+            for sync in syncs:
+                sync.cancel()
+            raise
+        for sync in syncs:
+            sync.result()
     for path in sorted(set(entries) - written):
         raise IntegrityError(f"{name}: {path}: listed in {MANIFEST_NAME}, in no layer")
 
@@ -498,6 +573,7 @@ class _FileWriter:
     ) -> None:
         self.staging, self.subtree, self.entries, self.what = staging, subtree, entries, what
         self.written: set[str] = set()
+        self.on_written: Callable[[Path], object] = lambda path: None
 
     def __call__(self, member: tarfile.TarInfo, content: BinaryIO | None) -> None:
         name = member.name
@@ -533,3 +609,4 @@ class _FileWriter:
                 os.close(fd)
         if "blake3:" + hasher.hexdigest() != entry.digest:
             raise IntegrityError(f"{self.what}: {name}: digest mismatch with {MANIFEST_NAME}")
+        self.on_written(path)

@@ -55,8 +55,8 @@ class Client:
     ) -> None:
         oras = _oras()
         self.ref = ref
-        verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
-        self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=verify)
+        self._verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
+        self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=self._verify)
         self._container = oras.container.Container(ref.name)
         self._credentials = credentials
         self._authenticated = False
@@ -97,7 +97,7 @@ class Client:
             return
         with self._transport_errors():
             ping = self._registry.session.get(
-                f"https://{self.ref.registry}/v2/", verify=self._registry._tls_verify
+                f"https://{self.ref.registry}/v2/", verify=self._verify
             )
         self._authenticated = True
         basic = ping.headers.get("Www-Authenticate", "").lower().startswith("basic")
@@ -108,7 +108,7 @@ class Client:
                     "(--authfile, DOCKER_CONFIG or ~/.docker/config.json)"
                 )
             self._registry.auth = _oras().auth.get_auth_backend(
-                "basic", self._registry.session, tls_verify=self._registry._tls_verify
+                "basic", self._registry.session, tls_verify=self._verify
             )
         if self._credentials is not None:
             self._registry.auth.set_basic_auth(
