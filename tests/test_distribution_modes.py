@@ -530,3 +530,46 @@ def test_a_prefetch_pulls_the_artifact_for_its_node(
     assert synced.wanted.key == KEY  # the building cluster's key, bound by its manifest
     assert find(local, consumer_key, pushed.ref_digest) is not None
     assert not list(local.glob(".pull-*"))
+
+
+# --------------------------------------------------------------------------- the chart
+
+
+def test_the_chart_says_the_mode_and_configures_the_operator_with_it() -> None:
+    from tests.helpers.chart import CHART, granted_rules, helm, render, render_text
+
+    def operator_config(docs: list[dict[str, Any]]) -> OperatorConfig:
+        (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+        env = {
+            e["name"]: e["value"]
+            for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        return OperatorConfig.from_env(
+            {k: v for k, v in env.items() if k.startswith("KERNELCACHE_OPERATOR_")}
+        )
+
+    default = render("defaults")
+    config = operator_config(default)
+    assert config.distribution_mode == "volume" and config.prefetch_root == ""
+    assert not [g for g in granted_rules(default) if g[1] == "daemonsets"]
+    values = {"distribution": {"mode": "image"},
+              "prefetch": {"enabled": True, "limitBytes": 10**11, "fallback": False}}  # fmt: skip
+    docs = render("defaults", values)
+    config = operator_config(docs)
+    assert (config.distribution_mode, config.prefetch_root) == (
+        "image",
+        "/var/lib/kernelcache-prefetch",
+    )
+    assert config.prefetch_limit_bytes == 10**11 and config.prefetch_fallback is False
+    # The operator creates and updates the DaemonSets only when prefetch is on.
+    daemonsets = {("apps", "daemonsets", verb) for verb in ("get", "create", "patch")}
+    assert daemonsets <= granted_rules(docs)
+    sets = ["--set", "distribution.mode=image", "--set", "prefetch.enabled=true"]
+    installed = helm("install", "kc", str(CHART), "--dry-run=client", *sets)
+    assert installed.returncode == 0, installed.stderr
+    assert (
+        "Distribution mode: image (each arch's OCI artifact as an image volume); prefetch to "
+        "node-local disk: on, at /var/lib/kernelcache-prefetch." in installed.stdout
+    )
+    bad = render_text("defaults", json.dumps({"distribution": {"mode": "nfs"}}))
+    assert bad.returncode != 0 and "/distribution/mode" in bad.stderr, bad.stderr
