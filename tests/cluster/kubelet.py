@@ -5,8 +5,9 @@ the host's system directories (bound read-only: the base image's layers), the im
 virtual environment and copied files (``images``), the base image's own ``/etc/passwd`` and
 ``/etc/group``, a minimal ``/dev`` and each volume mount at its ``mountPath``; it then
 ``chroot``s there and drops to the pod's user with ``setpriv`` (uid, gid, ``fsGroup`` and
-supplemental groups; no capabilities; no new privileges). ``readOnlyRootFilesystem``
-remounts the root read-only, so only the volumes can be written, ``/tmp`` included.
+supplemental groups; no capabilities but those ``capabilities.add`` names; no new
+privileges). ``readOnlyRootFilesystem`` remounts the root read-only, so only the volumes can
+be written, ``/tmp`` included.
 
 Volumes, as the kubelet lays them out under the pod's directory: ``emptyDir`` (0777), a
 PersistentVolumeClaim as a directory per claim (root-owned, given to ``fsGroup`` on mount,
@@ -278,14 +279,21 @@ class PodRunner(threading.Thread):
         table = self._mount_table(image, spec, mounts, termination)
         root = self.dir / "roots" / container.name
         root.mkdir(parents=True, exist_ok=True)
+        # Capabilities: none but what securityContext.capabilities.add names (CHOWN, say).
+        added = "".join(
+            f",+{c.lower().removeprefix('cap_')}"
+            for c in ((spec.get("securityContext") or {}).get("capabilities") or {}).get("add")
+            or []
+        )
         drop = [
             "setpriv",
             f"--reuid={uid}",
             f"--regid={gid}",
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
             "--no-new-privs",
-            "--bounding-set=-all",
-            "--inh-caps=-all",
+            f"--bounding-set=-all{added}",
+            f"--inh-caps=-all{added}",
+            *([f"--ambient-caps=-all{added}"] if added and uid != 0 else []),
             "--",
         ]
         workdir = spec.get("workingDir") or image.workdir
