@@ -130,8 +130,8 @@ def test_the_compile_job_pushes_with_the_push_secret_mounted_alone() -> None:
     at = command.index("--push")
     assert command[at : at + 6] == [
         "--push", "registry.example.com/caches/demo",
-        "--registry-auth", "/etc/kernelcache/registry/.dockerconfigjson",
-        "--registry-ca", "/etc/kernelcache/registry-ca/ca.crt",
+        "--authfile", "/etc/kernelcache/registry/.dockerconfigjson",
+        "--ca-file", "/etc/kernelcache/registry-ca/ca.crt",
     ]  # fmt: skip
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["kernelcache-registry"]["secret"] == {
@@ -215,7 +215,7 @@ def test_pull_mode_pulls_by_digest_with_the_read_secret_only() -> None:
     spec = injected(doc, OperatorConfig(distribution_mode="pull"))
     init = init_of(spec)
     assert arg_values(init, "--pull") == [f"sm_90a={REF}"]
-    assert arg_values(init, "--registry-auth") == ["/etc/kernelcache/registry/.dockerconfigjson"]
+    assert arg_values(init, "--authfile") == ["/etc/kernelcache/registry/.dockerconfigjson"]
     (secret,) = [v for v in spec["volumes"] if "secret" in v]
     assert secret["secret"]["secretName"] == "reader"
     assert "imagePullSecrets" not in spec
@@ -494,7 +494,7 @@ def test_a_pod_of_another_store_pulls_by_digest_and_starts_warm(
     # Another cluster: another namespace and name, no store at all.
     done = subprocess.run(
         [sys.executable, "-m", "kernelcache", "verify", "--pull", f"{ARCH}={pushed.ref_digest}",
-         "--registry-auth", str(registry.authfile), "--registry-ca", str(registry.ca_file),
+         "--authfile", str(registry.authfile), "--ca-file", str(registry.ca_file),
          "--namespace", "elsewhere", "--name", "served", "--arch", ARCH,
          "--gpu-product", PRODUCT, "--expect-image", IMAGE,
          "--materialize", str(tmp_path / "pod")],

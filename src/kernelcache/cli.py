@@ -140,8 +140,8 @@ def _push(args: argparse.Namespace, kc: Any, arch: str, generation: str | None) 
         key,
         args.push,
         generation=generation,
-        auth=args.registry_auth,
-        ca_file=args.registry_ca,
+        auth=args.authfile,
+        ca_file=args.ca_file,
         signing_key=_signing_key(args.signing_key),
     )
     return pushed.ref_digest
@@ -191,8 +191,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             materialize=args.materialize,
             pull=_arch_values(args.pull, "--pull"),
             artifacts={a: Path(d) for a, d in _arch_values(args.artifact, "--artifact").items()},
-            registry_auth=args.registry_auth,
-            registry_ca=args.registry_ca,
+            registry_auth=args.authfile,
+            registry_ca=args.ca_file,
             local=args.local,
             want=_arch_values(args.want, "--want"),
             local_wait_seconds=args.local_wait,
@@ -234,8 +234,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             limit_bytes=args.limit,
             store=args.store,
             ref=None if args.store is not None else args.want,
-            auth=args.registry_auth,
-            ca_file=args.registry_ca,
+            auth=args.authfile,
+            ca_file=args.ca_file,
             public_key=args.public_key,
             require_signature=args.require_signature,
         )
@@ -585,9 +585,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def registry_args(p: Any) -> None:
         p.add_argument(
-            "--registry-auth", type=_path, metavar="FILE", help="docker config with credentials"
+            "--authfile",
+            type=_path,
+            help="docker config or .dockerconfigjson with the registry's credentials",
         )
-        p.add_argument("--registry-ca", type=_path, metavar="FILE", help="CA bundle to trust")
+        p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
 
     def json_arg(p: Any, schema: str) -> None:
         p.add_argument(
@@ -750,14 +752,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="remove nothing; say what would go")
     json_arg(p, "gc.json")
-
-    def registry_args(p: Any) -> None:
-        p.add_argument(
-            "--authfile",
-            type=_path,
-            help="docker config or .dockerconfigjson with the registry's credentials",
-        )
-        p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
 
     p = add("push", cmd_push, "push a generation to an OCI registry")
     store_arg(p)

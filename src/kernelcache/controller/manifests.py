@@ -359,14 +359,14 @@ def registry_access(
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     if secret is not None:
-        args += ["--registry-auth", f"{REGISTRY_DIR}/{DOCKER_CONFIG_KEY}"]
+        args += ["--authfile", f"{REGISTRY_DIR}/{DOCKER_CONFIG_KEY}"]
         mounts.append({"name": "kernelcache-registry", "mountPath": REGISTRY_DIR, "readOnly": True})
         items = [{"key": DOCKER_CONFIG_KEY, "path": DOCKER_CONFIG_KEY}]
         volumes.append(
             {"name": "kernelcache-registry", "secret": {"secretName": secret, "items": items}}
         )
     if config.registry_ca:
-        args += ["--registry-ca", f"{REGISTRY_CA_DIR}/{REGISTRY_CA_KEY}"]
+        args += ["--ca-file", f"{REGISTRY_CA_DIR}/{REGISTRY_CA_KEY}"]
         mounts.append(
             {"name": "kernelcache-registry-ca", "mountPath": REGISTRY_CA_DIR, "readOnly": True}
         )
