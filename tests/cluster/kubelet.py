@@ -480,7 +480,7 @@ class PodRunner(threading.Thread):
         where = self.kubelet.node_disk(node) / source["path"].lstrip("/")
         kind = source.get("type", "")
         if kind == "DirectoryOrCreate" and not where.exists():
-            where.mkdir(parents=True)
+            where.mkdir(parents=True, exist_ok=True)  # two pods may mount it at once
             where.chmod(0o755)
         elif kind in ("Directory", "") and not where.is_dir():
             raise NotReady(f"hostPath {source['path']}: no such directory on node {node}")
