@@ -562,7 +562,7 @@ def test_the_chart_says_the_mode_and_configures_the_operator_with_it() -> None:
     )
     assert config.prefetch_limit_bytes == 10**11 and config.prefetch_fallback is False
     # The operator creates and updates the DaemonSets only when prefetch is on.
-    daemonsets = {("apps", "daemonsets", verb) for verb in ("get", "create", "patch")}
+    daemonsets = {("apps", "daemonsets", verb) for verb in ("list", "create", "patch", "delete")}
     assert daemonsets <= granted_rules(docs)
     sets = ["--set", "distribution.mode=image", "--set", "prefetch.enabled=true"]
     installed = helm("install", "kc", str(CHART), "--dry-run=client", *sets)
@@ -573,3 +573,87 @@ def test_the_chart_says_the_mode_and_configures_the_operator_with_it() -> None:
     )
     bad = render_text("defaults", json.dumps({"distribution": {"mode": "nfs"}}))
     assert bad.returncode != 0 and "/distribution/mode" in bad.stderr, bad.stderr
+
+
+# --------------------------------------------------------------------------- the reconcile
+
+
+class FakeKube:
+    """The calls a reconcile makes, answered from a dict of objects by path (labels match as
+    the API server's selector does); what it changed is kept in ``calls``."""
+
+    def __init__(self, kc: dict[str, Any]) -> None:
+        from kernelcache.controller.kube import kernelcache_path
+
+        self.objects: dict[str, dict[str, Any]] = {
+            kernelcache_path("team", kc["metadata"]["name"]): kc
+        }
+        self.calls: list[tuple[str, str]] = []
+
+    def get(self, where: str) -> dict[str, Any]:
+        from kernelcache.controller.kube import ApiError
+
+        if where not in self.objects:
+            raise ApiError(404, "NotFound", where)
+        return self.objects[where]
+
+    def list(self, where: str, selector: str = "") -> list[dict[str, Any]]:
+        terms = dict(t.split("=", 1) for t in selector.split(",") if t)
+        return [
+            o
+            for p, o in self.objects.items()
+            if p.rsplit("/", 1)[0] == where
+            and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in terms.items())
+        ]
+
+    def create(self, where: str, body: dict[str, Any]) -> bool:
+        self.calls.append(("create", f"{where}/{body['metadata']['name']}"))
+        self.objects.setdefault(f"{where}/{body['metadata']['name']}", body)
+        return True
+
+    def patch(self, where: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("patch", where))
+        if where.endswith("/status"):
+            self.objects[where.removesuffix("/status")]["status"] = body["status"]
+        elif where in self.objects:
+            self.objects[where].update(body)
+        return {}
+
+    def delete(self, where: str) -> bool:
+        self.calls.append(("delete", where))
+        return self.objects.pop(where, None) is not None
+
+
+def test_the_reconcile_keeps_a_daemonset_per_class_on_what_each_arch_serves() -> None:
+    from kernelcache.controller.handlers.handle_reconcile_kernelcache import reconcile_kernelcache
+
+    doc = consumer()
+    doc["spec"]["gpuClasses"].append({"name": "rtx", "arch": "sm_120a"})
+    doc["spec"]["source"]["oci"]["artifacts"]["sm_120a"] = REF.replace("5e", "7f")
+    doc["metadata"].update(resourceVersion="1", generation=1)
+    kube = FakeKube(doc)
+    config = OperatorConfig(prefetch_root="/var/lib/kc")
+    collection = "/apis/apps/v1/namespaces/team/daemonsets"
+
+    def reconcile() -> list[tuple[str, str]]:
+        kube.calls.clear()
+        body = kube.get("/apis/kernelcache.dev/v1alpha1/namespaces/team/kernelcaches/served")
+        reconcile_kernelcache(kube, config, body, lambda uid: [])  # type: ignore[arg-type]
+        return [c for c in kube.calls if c[1].startswith(collection)]
+
+    created = reconcile()
+    assert [verb for verb, _ in created] == ["create", "create"]
+    assert reconcile() == []  # steady state: nothing written
+    # The sm_120a artifact changes: its DaemonSet's template does, so each node fetches it.
+    new = REF.replace("5e", "9a")
+    kube.get("/apis/kernelcache.dev/v1alpha1/namespaces/team/kernelcaches/served")["spec"][
+        "source"
+    ]["oci"]["artifacts"]["sm_120a"] = new
+    (changed,) = reconcile()
+    assert changed[0] == "patch" and new in json.dumps(kube.objects[changed[1]]["spec"])
+    # The class goes: its DaemonSet goes with it.
+    spec = kube.get("/apis/kernelcache.dev/v1alpha1/namespaces/team/kernelcaches/served")["spec"]
+    spec["gpuClasses"].pop()
+    del spec["source"]["oci"]["artifacts"]["sm_120a"]
+    (gone,) = reconcile()
+    assert gone[0] == "delete" and gone[1] == changed[1]

@@ -176,23 +176,27 @@ def _prefetch(
     status: dict[str, Any],
     owner: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Keep a prefetch DaemonSet per GPU class on what the new status serves; each node's
-    state, from the pods they run."""
+    """Keep one prefetch DaemonSet per GPU class on what the new status serves (created,
+    updated when what it fetches changed, deleted when its class or arch is gone); each
+    node's state, from the pods they run."""
     serving = parse_kernelcache({**_object(body), "status": status}, "status")
-    namespace = kc.metadata.namespace
+    namespace, uid = kc.metadata.namespace, owner["uid"]
+    collection = path("apps/v1", "daemonsets", namespace)
+    existing = {
+        d["metadata"]["name"]: d
+        for d in kube.list(collection, manifests.selector(uid, modes.PREFETCH))
+    }
     digests = {}
     for daemonset in modes.prefetch_daemonsets(serving, owner, config):
-        digests[daemonset["metadata"]["labels"][LABEL_ARCH]] = modes.template_digest(daemonset)
         name = daemonset["metadata"]["name"]
-        if not kube.create(path("apps/v1", "daemonsets", namespace), daemonset):
-            existing = kube.get(path("apps/v1", "daemonsets", namespace, name))
-            if modes.template_digest(existing) != modes.template_digest(daemonset):
-                kube.patch(
-                    path("apps/v1", "daemonsets", namespace, name), {"spec": daemonset["spec"]}
-                )
-    pods = kube.list(
-        path("v1", "pods", namespace), manifests.selector(owner["uid"], modes.PREFETCH)
-    )
+        digests[daemonset["metadata"]["labels"][LABEL_ARCH]] = modes.template_digest(daemonset)
+        if name not in existing:
+            kube.create(collection, daemonset)
+        elif modes.template_digest(existing.pop(name)) != modes.template_digest(daemonset):
+            kube.patch(f"{collection}/{name}", {"spec": daemonset["spec"]})
+    for name in existing:  # a class removed, or an arch that serves nothing now
+        kube.delete(f"{collection}/{name}")
+    pods = kube.list(path("v1", "pods", namespace), manifests.selector(uid, modes.PREFETCH))
     return modes.node_states(pods, digests)
 
 
