@@ -429,9 +429,10 @@ def test_example_validates_against_the_crd_schema():
     validator.validate(example())
     bad = example()
     bad["spec"]["gpuClasses"][0]["arch"] = "sm90"
-    bad["spec"]["warmers"] = []
+    # An empty warmers list is the webhook's to refuse (it is allowed with spec.source).
+    bad["spec"]["warmers"][0]["timeoutSeconds"] = 0
     errors = {"/".join(map(str, e.absolute_path)) for e in validator.iter_errors(bad)}
-    assert errors == {"spec/gpuClasses/0/arch", "spec/warmers"}
+    assert errors == {"spec/gpuClasses/0/arch", "spec/warmers/0/timeoutSeconds"}
 
 
 def _fields(node: dict, path: str) -> list[tuple[str, dict]]:

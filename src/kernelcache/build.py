@@ -69,6 +69,8 @@ class ArchResult:
     toolchains: list[dict[str, Any]] = field(default_factory=list)
     # The slowest kernels compiled, with their seconds (``progress.KernelTiming``).
     slowest_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # repo@sha256:... when the generation was also pushed to a registry (``warm --push``).
+    artifact: str | None = None
     # The fingerprint of the key that signed the generation (``store.fingerprint``), or None.
     signed_by: str | None = None
 

@@ -151,6 +151,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
         trusted=_trusted_keys(args.public_key),
         force=args.force,
     )
+    if args.push:
+        result.artifact = _push(args, kc, arch, result.generation)
     if args.result is not None:
         build.write_result(args.result, result)
     if args.json:
@@ -177,6 +179,34 @@ def _warm_failed(args: argparse.Namespace, code: int, line: str, seconds: float)
         with contextlib.suppress(KernelCacheError):  # one line: the failure being reported
             build.write_result(args.result, result)
     return asdict(result)
+
+
+def _push(args: argparse.Namespace, kc: Any, arch: str, generation: str | None) -> str:
+    """Push the generation warm published (or found up to date) to ``--push``; its digest."""
+    from kernelcache.distribution import push
+
+    key = contract.CacheKey(kc.metadata.namespace, kc.metadata.name, arch)
+    pushed = push(
+        args.store,
+        key,
+        args.push,
+        generation=generation,
+        auth=args.authfile,
+        ca_file=args.ca_file,
+        signing_key=_signing_key(args.signing_key),
+    )
+    return pushed.ref_digest
+
+
+def _arch_values(pairs: list[str], option: str) -> dict[str, str]:
+    """``ARCH=VALUE`` options, one per arch."""
+    found: dict[str, str] = {}
+    for pair in pairs:
+        arch, sep, value = pair.partition("=")
+        if not sep or not arch or not value or arch in found:
+            raise SpecError(f"{option} {pair!r}: expected ARCH=VALUE, once per arch")
+        found[arch] = value
+    return found
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -210,6 +240,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             public_key=args.public_key,
             require_signature=args.require_signature,
             materialize=args.materialize,
+            pull=_arch_values(args.pull, "--pull"),
+            artifacts={a: Path(d) for a, d in _arch_values(args.artifact, "--artifact").items()},
+            registry_auth=args.authfile,
+            registry_ca=args.ca_file,
+            local=args.local,
+            want=_arch_values(args.want, "--want"),
+            local_wait_seconds=args.local_wait,
+            local_only=args.local_only,
         )
         outcome = initcontainer.run(options)
     except Exception as exc:  # main prints the very same line
@@ -221,6 +259,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
         output.print_json(output.verify_json(outcome))
     else:
         print(outcome.summary)
+    return 0
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    """Keep a KernelCache's generation on this node's disk (the prefetch DaemonSet's work).
+
+    --want is the artifact (repo@sha256:..., pulled) or, with --store, the generation id
+    (copied out of the shared store). Older copies are evicted oldest first to stay within
+    --limit; never one a KernelCache names or a pod is reading.
+    """
+    from kernelcache import initcontainer, prefetch
+
+    log = args.termination_log or initcontainer.default_termination_log()
+    try:
+        synced = prefetch.sync(
+            args.root,
+            args.key,
+            args.want,
+            limit_bytes=args.limit,
+            store=args.store,
+            ref=None if args.store is not None else args.want,
+            auth=args.authfile,
+            ca_file=args.ca_file,
+            public_key=args.public_key,
+            require_signature=args.require_signature,
+        )
+    except KernelCacheError as exc:
+        line = initcontainer.error_line(exc)
+        initcontainer.write_termination_log(log, line)
+        raise
+    print(synced.summary)
     return 0
 
 
@@ -604,6 +673,14 @@ def build_parser() -> argparse.ArgumentParser:
     def store_arg(p: Any) -> None:
         p.add_argument("--store", type=_path, required=True, help="store root (the PV mount)")
 
+    def registry_args(p: Any) -> None:
+        p.add_argument(
+            "--authfile",
+            type=_path,
+            help="docker config or .dockerconfigjson with the registry's credentials",
+        )
+        p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
+
     def json_arg(p: Any, schema: str) -> None:
         p.add_argument(
             "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"
@@ -635,6 +712,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(
+        "--push", metavar="REPOSITORY", help="then push the generation there (tag: its id)"
+    )
+    registry_args(p)
+    p.add_argument(
         "--progress",
         action="store_true",
         help=f"print each warmer and kernel compiled to stderr (or {contract.PROGRESS.name}=1)",
@@ -642,7 +723,42 @@ def build_parser() -> argparse.ArgumentParser:
     json_arg(p, "warm.json")
 
     p = add("verify", cmd_verify, "verify this node's generation (the init-container's check)")
-    store_arg(p)
+    p.add_argument("--store", type=_path, help="store root (the PV mount)")
+    p.add_argument(
+        "--pull",
+        action="append",
+        default=[],
+        metavar="ARCH=REF@sha256:...",
+        help="pull this arch's generation by digest (into --materialize's directory) instead",
+    )
+    p.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="ARCH=DIR",
+        help="this arch's generation is the artifact mounted at DIR (an image volume)",
+    )
+    registry_args(p)
+    p.add_argument(
+        "--local", type=_path, metavar="DIR", help="the node's prefetched copies: used first"
+    )
+    p.add_argument(
+        "--want",
+        action="append",
+        default=[],
+        metavar="ARCH=TOKEN",
+        help="the artifact digest or generation id a --local copy of this arch must be of",
+    )
+    p.add_argument(
+        "--local-wait",
+        type=_non_negative,
+        default=0,
+        metavar="SECONDS",
+        help="wait this long for the node's copy before falling back (default 0)",
+    )
+    p.add_argument(
+        "--local-only", action="store_true", help="refuse rather than fall back after the wait"
+    )
     p.add_argument("--key", help="NAMESPACE/NAME/ARCH (else --namespace/--name or -f)")
     p.add_argument("--namespace", help="the KernelCache's namespace (with --name)")
     p.add_argument("--name", help="the KernelCache's name: the key is NAMESPACE/NAME/<node arch>")
@@ -697,6 +813,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     json_arg(p, "verify.json")
 
+    p = add("prefetch", cmd_prefetch, "keep a generation on this node's disk (prefetch)")
+    p.add_argument("--root", type=_path, required=True, help="the node-local root (a hostPath)")
+    p.add_argument("--key", required=True, help="NAMESPACE/NAME/ARCH the copy serves")
+    p.add_argument(
+        "--want", required=True, metavar="REF@sha256:...|GENERATION", help="what to keep"
+    )
+    p.add_argument("--store", type=_path, help="copy from this store (else pull --want)")
+    p.add_argument(
+        "--limit", type=_non_negative, required=True, metavar="BYTES", help="disk use bound"
+    )
+    registry_args(p)
+    p.add_argument("--public-key", type=_path, help="ed25519 public key: the signature must verify")
+    p.add_argument("--require-signature", action="store_true", help="refuse unsigned artifacts")
+    p.add_argument("--termination-log", type=_path, metavar="FILE", help="write a failure here too")
+
     p = add("explain", cmd_explain, "name the factors that differ between two stamps")
     sides = "MANIFEST.json, generation dir, KEY or generation id (with --store), or 'env'"
     p.add_argument("left", help=sides)
@@ -729,14 +860,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {GC_LOCK_TIMEOUT_S:g}; then exit {int(ExitCode.LOCKED)})",
     )
     json_arg(p, "gc.json")
-
-    def registry_args(p: Any) -> None:
-        p.add_argument(
-            "--authfile",
-            type=_path,
-            help="docker config or .dockerconfigjson with the registry's credentials",
-        )
-        p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
 
     p = add("push", cmd_push, "push a generation to an OCI registry")
     store_arg(p)

@@ -32,8 +32,10 @@ and needs no API access. Toolchains are reached through their hooks (``Toolchain
 from __future__ import annotations
 
 import os
+import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from typing import Any
 from kernelcache import contract, envfile, nodemap
 from kernelcache.contract import POLICIES, CacheKey
 from kernelcache.errors import (
+    IntegrityError,
     MissingGenerationError,
     NoGpuInfoError,
     SignatureError,
@@ -60,6 +63,7 @@ from kernelcache.store import (
     Store,
     load_public_keys,
     materialize,
+    prefetched,
     verify,
 )
 from kernelcache.toolchains import toolchains
@@ -86,7 +90,7 @@ _TERMINATION_LIMIT = 4096
 class Options:
     """What ``kernelcache verify`` was asked to do (one field per command-line option)."""
 
-    store: Path
+    store: Path | None = None  # the shared store; None when an artifact or pull is the source
     key: str | None = None  # NAMESPACE/NAME/ARCH; else namespace + name + this node's arch
     namespace: str | None = None
     name: str | None = None
@@ -102,6 +106,15 @@ class Options:
     require_signature: bool = False
     materialize: Path | None = None
     workers: int | None = None
+    # Where the generation comes from instead of the store, per arch (docs/distribution.md):
+    pull: Mapping[str, str] = field(default_factory=dict)  # repo@sha256:..., pulled
+    artifacts: Mapping[str, Path] = field(default_factory=dict)  # an image volume's mount
+    registry_auth: Path | None = None
+    registry_ca: Path | None = None
+    local: Path | None = None  # the node's prefetched copies (store.prefetched), tried first
+    want: Mapping[str, str] = field(default_factory=dict)  # per arch, the token a copy needs
+    local_wait_seconds: float = 0.0
+    local_only: bool = False
 
 
 @dataclass
@@ -119,6 +132,8 @@ class Outcome:
     dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     placed: dict[str, Any] = field(default_factory=dict)  # the toolchains' (Toolchain.place)
+    source: str = "store"  # store | local (the node's prefetched copy) | artifact | pull
+    waited_seconds: float = 0.0  # for the node's copy to land
 
     @property
     def summary(self) -> str:
@@ -130,9 +145,15 @@ class Outcome:
             )
         # The digests were checked on the bytes as they were copied.
         seconds = self.verify_seconds + self.materialize_seconds
+        source = {
+            "store": "",
+            "local": f" from this node's prefetched copy (waited {self.waited_seconds:.1f} s)",
+            "artifact": " from its image volume",
+            "pull": " pulled by digest",
+        }[self.source]
         return (
             f"{head}{len(self.manifest.files)} files, {self.manifest.total_bytes / 1e6:.1f} MB "
-            f"checked and materialized at {self.materialized} in {seconds:.2f} s"
+            f"checked and materialized at {self.materialized}{source} in {seconds:.2f} s"
         )
 
 
@@ -166,17 +187,27 @@ def run(
         or (nodemap.reader(options.node_map) if options.node_map is not None else None),
     )
     key, arch = _key_and_arch(options, node)
-    store = Store(options.store)
-    check_store_root(store.root)
-    gen_dir = store.current(key)
-    if gen_dir is None:
-        built = _built_arches(store, key)
-        raise MissingGenerationError(
-            f"{key}: no published generation in {store.root} "
-            f"(arches built: {', '.join(built) if built else 'none'})",
-            path=str(store.key_dir(key)),
+    found = _Found()
+    with _located(options, key, arch, target, found) as (gen_dir, bound_key):
+        outcome = _verify_and_materialize(
+            options, gen_dir, bound_key, arch, node, target, env, public_key, found
         )
+    return outcome
 
+
+def _verify_and_materialize(
+    options: Options,
+    gen_dir: Path,
+    key: str | None,
+    arch: str,
+    node: NodeInfo,
+    target: Path | None,
+    env: Mapping[str, str] | None,
+    public_key: Any,
+    found: _Found,
+) -> Outcome:
+    """Steps 3 to 5 on the generation found. ``key`` None: an artifact, whose manifest names
+    the key it was built for (another cluster's, perhaps); it must be of this node's arch."""
     # Materializing hashes every byte it copies, so verify skips the digests then.
     result = verify(
         gen_dir,
@@ -189,6 +220,13 @@ def run(
     result.raise_for_problems()
     manifest = result.manifest
     assert manifest is not None  # verify reports a problem whenever it has no manifest
+    if key is None:
+        key = manifest.key
+        if CacheKey.parse(key).arch != arch:
+            raise IntegrityError(
+                f"{gen_dir}: the artifact was built for {key}, not for this node's arch {arch}",
+                path=str(gen_dir),
+            )
     for toolchain in toolchains():
         toolchain.check_pod(manifest, os.environ if env is None else env)
     check_stamp(
@@ -208,7 +246,9 @@ def run(
         bytes_checked=result.bytes_checked,
         verify_seconds=result.seconds,
         dropped=dropped,
-        warnings=[warning] if warning else [],
+        warnings=[*found.notes, *([warning] if warning else [])],
+        source=found.source,
+        waited_seconds=found.waited_seconds,
     )
     if target is not None:
         started = time.monotonic()
@@ -220,6 +260,104 @@ def run(
         outcome.materialize_seconds = time.monotonic() - started
         _commit(target, options.policy, outcome)
     return outcome
+
+
+# --------------------------------------------------------------------------- the source
+
+
+@dataclass
+class _Found:
+    """Where ``_located`` found the generation, for the summary and the report."""
+
+    source: str = "store"
+    waited_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _located(
+    options: Options, key: str, arch: str, target: Path | None, found_at: _Found
+) -> Iterator[tuple[Path, str | None]]:
+    """The generation directory for this node and the key to bind it to (None: the
+    artifact's own), held while it is read: the node's prefetched copy first (locked against
+    eviction), else the arch's image volume, its pull, or the store."""
+    if options.local is not None and (token := options.want.get(arch)):
+        started = time.monotonic()
+        found = _wait_for_local(options.local, key, token, options.local_wait_seconds)
+        found_at.waited_seconds = time.monotonic() - started
+        if found is not None:
+            with prefetched.reading(found.gen_dir(options.local)) as there:
+                if there:
+                    found_at.source = "local"
+                    yield found.gen_dir(options.local), found.key
+                    return
+        waited = f"after {options.local_wait_seconds:g} s" if options.local_wait_seconds else "yet"
+        missing = f"{key}: no prefetched copy of {token} on this node {waited}"
+        if options.local_only:
+            raise MissingGenerationError(
+                f"{missing} (local only)", path=str(prefetched.wanted_path(options.local, key))
+            )
+        found_at.notes.append(f"{missing}: reading it from its source instead")
+    if arch in options.artifacts:
+        found_at.source = "artifact"
+        yield options.artifacts[arch], None
+    elif arch in options.pull:
+        found_at.source = "pull"
+        with _pulled(options, options.pull[arch], target) as gen_dir:
+            yield gen_dir, None
+    elif options.store is not None:
+        yield _from_store(options.store, key), key
+    else:
+        sources = sorted({*options.artifacts, *options.pull})
+        raise MissingGenerationError(
+            f"{key}: no artifact for this node's arch {arch} "
+            f"(arches with one: {', '.join(sources) if sources else 'none'})"
+        )
+
+
+def _wait_for_local(root: Path, key: str, token: str, seconds: float) -> prefetched.Wanted | None:
+    """The node's copy for ``token``, waiting up to ``seconds`` for the prefetch to land it."""
+    deadline = time.monotonic() + seconds
+    while (found := prefetched.find(root, key, token)) is None and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return found
+
+
+@contextmanager
+def _pulled(options: Options, ref: str, target: Path | None) -> Iterator[Path]:
+    """Pull ``ref`` (verified in full on the way in) into a store beside the copy; removed
+    once the copy is made, so the pod's volume holds the generation once."""
+    from kernelcache.distribution import pull
+
+    if target is None:
+        raise SpecError("--pull needs --materialize: the artifact is pulled beside the copy")
+    scratch = target / ".pulled"
+    try:
+        result = pull(
+            ref,
+            scratch,
+            auth=options.registry_auth,
+            ca_file=options.registry_ca,
+            public_key=options.public_key,
+            require_signature=options.require_signature,
+        )
+        yield result.gen_dir
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _from_store(root: Path, key: str) -> Path:
+    store = Store(root)
+    check_store_root(store.root)
+    gen_dir = store.current(key)
+    if gen_dir is None:
+        built = _built_arches(store, key)
+        raise MissingGenerationError(
+            f"{key}: no published generation in {store.root} "
+            f"(arches built: {', '.join(built) if built else 'none'})",
+            path=str(store.key_dir(key)),
+        )
+    return gen_dir
 
 
 def _key_and_arch(options: Options, node: NodeInfo) -> tuple[str, str]:
@@ -281,6 +419,8 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         "bytes_checked": outcome.bytes_checked,
         "verify_seconds": round(outcome.verify_seconds, 3),
         "materialize_seconds": round(outcome.materialize_seconds, 3),
+        "source": outcome.source,
+        "waited_seconds": round(outcome.waited_seconds, 3),
     }
     report.update(outcome.placed)
     values: dict[contract.Variable[Any], str] = {

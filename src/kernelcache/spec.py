@@ -562,6 +562,80 @@ class ImagePullSecret(BaseModel):
     name: ObjectName = Field(description="The Secret's name (type kubernetes.io/dockerconfigjson).")
 
 
+# An OCI reference pinned by digest: ``registry/repository@sha256:<64 hex>`` (a tag before
+# the digest is allowed and ignored, as container runtimes do). Serving never follows a tag.
+OCI_REPOSITORY = r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+$"
+OCI_DIGEST_REF = (
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
+)
+PATTERN_HINTS[OCI_REPOSITORY] = (
+    "a repository such as registry.example.com/caches/demo (no tag, no digest)"
+)
+PATTERN_HINTS[OCI_DIGEST_REF] = (
+    "an artifact pinned by digest such as registry.example.com/caches/demo@sha256:<64 hex>"
+)
+
+
+class OciTarget(BaseModel):
+    """Where compile Jobs push each published generation, as an image-shaped OCI artifact."""
+
+    model_config = _SPEC_CONFIG
+
+    repository: str = Field(
+        max_length=255,
+        pattern=OCI_REPOSITORY,
+        description="The repository, e.g. registry.example.com/caches/demo; each generation "
+        "is pushed under a tag of its arch and id, and recorded by digest in status.",
+    )
+    push_secret: ObjectName = Field(
+        description="A kubernetes.io/dockerconfigjson Secret with push rights, mounted into "
+        "the compile Jobs only."
+    )
+    pull_secret: ObjectName | None = Field(
+        default=None,
+        description="A kubernetes.io/dockerconfigjson Secret with read rights, for serving "
+        "pods and the prefetch DaemonSet (image and pull modes); unset: pushSecret.",
+    )
+
+    def reader_secret(self) -> str:
+        return self.pull_secret or self.push_secret
+
+
+class Distribution(BaseModel):
+    """Where generations go besides the store."""
+
+    model_config = _SPEC_CONFIG
+
+    oci: OciTarget | None = Field(
+        default=None, description="Push every published generation to an OCI registry."
+    )
+
+
+class OciSource(BaseModel):
+    """Generations built elsewhere (another cluster), consumed by digest."""
+
+    model_config = _SPEC_CONFIG
+
+    artifacts: dict[str, Annotated[str, Field(max_length=512, pattern=OCI_DIGEST_REF)]] = Field(
+        description="Per SM arch, the artifact to serve, pinned by digest "
+        "(repo@sha256:..., what the building cluster's status.arches[].artifact says).",
+    )
+    pull_secret: ObjectName | None = Field(
+        default=None,
+        description="A kubernetes.io/dockerconfigjson Secret to read the artifacts with; "
+        "unset: the registry allows anonymous reads.",
+    )
+
+
+class Source(BaseModel):
+    """Where the generations come from instead of this cluster's compile Jobs."""
+
+    model_config = _SPEC_CONFIG
+
+    oci: OciSource = Field(description="Artifacts in an OCI registry, by digest.")
+
+
 class KernelCacheSpec(BaseModel):
     """What to compile (model, engine, warmers), for which GPUs, and where to keep it."""
 
@@ -578,7 +652,9 @@ class KernelCacheSpec(BaseModel):
         min_length=1, description="The kinds of GPU node to build for; one generation per arch."
     )
     warmers: list[Warmer] = Field(
-        min_length=1, description="How kernels are compiled, run in order in each compile Job."
+        default_factory=list,
+        description="How kernels are compiled, run in order in each compile Job; required "
+        "unless source names generations built elsewhere.",
     )
     storage: Storage = Field(
         default=Storage(pvc=PvcTemplate()), description="Where the generations are kept."
@@ -586,6 +662,14 @@ class KernelCacheSpec(BaseModel):
     retention: Retention = Field(default=Retention(), description="How many generations to keep.")
     verification: Verification = Field(
         default=Verification(), description="How serving pods check a generation before use."
+    )
+    distribution: Distribution = Field(
+        default=Distribution(), description="Where generations go besides the store (OCI)."
+    )
+    source: Source | None = Field(
+        default=None,
+        description="Consume generations built elsewhere, by digest: no compile Job runs; "
+        "each node's init-container still checks the stamp against the node and pod.",
     )
 
     @model_validator(mode="after")
@@ -614,8 +698,39 @@ class KernelCacheSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_source(self) -> KernelCacheSpec:
+        """Consumed generations are built elsewhere: no warmers, one artifact per arch."""
+        if self.source is None:
+            if not self.warmers:
+                raise _rule_error("warmers", "needs at least 1 item(s), got 0")
+            return self
+        if self.warmers:
+            raise _rule_error(
+                "warmers", "not allowed with source: its generations are built elsewhere"
+            )
+        if self.distribution.oci is not None:
+            raise _rule_error(
+                "distribution.oci", "not allowed with source: nothing is built here to push"
+            )
+        given = self.source.oci.artifacts
+        for arch in self.arches():
+            if arch not in given:
+                raise _rule_error(
+                    f"source.oci.artifacts.{arch}", "required: a GPU class is " + arch
+                )
+        for arch in given:
+            if arch not in self.arches():
+                raise _rule_error(
+                    f"source.oci.artifacts.{arch}",
+                    f"no GPU class of this arch (arches: {', '.join(self.arches())})",
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_warmer_classes(self) -> KernelCacheSpec:
         """Every class a warmer names exists, and every class has a warmer to build it."""
+        if self.source is not None:
+            return self
         classes = [c.name for c in self.gpu_classes]
         for i, w in enumerate(self.warmers):
             for j, name in enumerate(w.gpu_classes):
@@ -669,6 +784,11 @@ class ArchStatus(BaseModel):
         default=None, description="Fingerprint of the key that signed the generation."
     )
     message: str | None = Field(default=None, description="Why it failed, in one line.")
+    artifact: str | None = Field(
+        default=None,
+        description="The generation as an OCI artifact, repo@sha256:... (pushed by the "
+        "compile Job, or consumed from spec.source).",
+    )
 
 
 class Condition(BaseModel):
@@ -686,6 +806,20 @@ class Condition(BaseModel):
     observed_generation: int | None = Field(
         default=None, description="The metadata.generation the condition was computed from."
     )
+
+
+class NodeStatus(BaseModel):
+    """One node's prefetched copy of one arch (node-local prefetch)."""
+
+    model_config = _STATUS_CONFIG
+
+    node: str = Field(description="The node.")
+    arch: str = Field(pattern=ARCH, description="The SM arch of its GPU class.")
+    phase: Literal["Ready", "Pulling", "Failed"] = Field(
+        description="Ready: the current generation is on its disk; Pulling: being fetched; "
+        "Failed: the last fetch failed (it is retried)."
+    )
+    message: str | None = Field(default=None, description="Why it failed, in one line.")
 
 
 class KernelCacheStatus(BaseModel):
@@ -708,6 +842,10 @@ class KernelCacheStatus(BaseModel):
     arches: list[ArchStatus] = Field(default_factory=list, description="One entry per arch.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Standard conditions (Ready)."
+    )
+    nodes: list[NodeStatus] = Field(
+        default_factory=list,
+        description="With node-local prefetch: each GPU node's copy of its arch's generation.",
     )
 
 

@@ -9,8 +9,11 @@ init-container meet as they do on a real cluster:
   do not grant, the admission chain from the stored webhook configurations over TLS with
   their ``caBundle`` (``objectSelector``, ``failurePolicy``), and the API over HTTPS for
   in-cluster clients;
-- ``controllers``: Deployment, ReplicaSet, Job, garbage collector and a scheduler;
-- ``kubelet``: every container from its pod spec as a host process, in a private mount
+- ``controllers``: Deployment, ReplicaSet, Job, DaemonSet (a pod per matching node, nodes
+  read on every pass so one can join later), garbage collector and a scheduler;
+- ``kubelet``: image volumes (the image pulled by digest with skopeo and the pod's pull
+  secrets, its layers unpacked, mounted read-only) and ``hostPath`` (a disk per node);
+  every container from its pod spec as a host process, in a private mount
   namespace: exact command, args and env (downward API filled in), volumes at their mount
   paths in the kubelet's layout, the service-account token, runAsUser/runAsGroup/fsGroup,
   a read-only root, and the base image's own user database;
@@ -26,10 +29,10 @@ scratch tmpfs); probes (a pod is an endpoint once its containers run); graceful 
 ``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``, rolling updates; admission on
 anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity, quotas, schema
 validation (``kubectl --validate=false``); volume kinds other than emptyDir, claims,
-ConfigMaps, Secrets and downward API (a claim is a directory per claim, provisioned on its
-first mount); the kubelet refreshing mounted ConfigMaps in a running pod; ``kubectl logs``
-and ``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet.
-It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
+ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per claim,
+provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running
+pod; ``kubectl logs`` and ``exec`` (``Cluster.logs`` reads a container's log instead);
+events from the kubelet. It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -138,6 +143,65 @@ class Cluster:
     def claim_dir(self, namespace: str, claim: str) -> Path:
         return self.kubelet.claim_dir(namespace, claim)
 
+    def node_disk(self, node: str) -> Path:
+        """A node's local disk: where its hostPath volumes lie."""
+        return self.kubelet.node_disk(node)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serves_tls(port: int) -> bool:
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=1) as raw,
+            context.wrap_socket(raw),
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``helm template`` the chart with ``values`` (plus one replica and free ports: pods
+    share the host's network) and apply it; returns the operator pod once its webhook
+    serves."""
+    webhook = free_port()
+    values = {
+        "replicaCount": 1,
+        "operator": {"livenessPort": free_port(), "metricsPort": free_port()},
+        "webhook": {"port": webhook},
+        **values,
+    }
+    file = the.tmp / "values.yaml"
+    file.write_text(yaml.safe_dump(values))
+    rendered = subprocess.run(
+        [str(HELM), "template", "kc", str(REPO / "charts" / "kernelcache"),
+         "--namespace", namespace, "-f", str(file)],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    applied = the.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered)
+    if applied.returncode != 0:
+        raise AssertionError(applied.stderr)
+    selector = "app.kubernetes.io/name=kernelcache"
+
+    def serving() -> dict[str, Any] | None:
+        pods = [p for p in the.pods(namespace, selector) if p["metadata"].get("ownerReferences")]
+        running = len(pods) == 1 and (pods[0].get("status") or {}).get("phase") == "Running"
+        return pods[0] if running and serves_tls(webhook) else None
+
+    deadline = time.monotonic() + 300
+    while (pod := serving()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the operator's webhook did not serve: {the.errors[-1:]}")
+        time.sleep(0.5)
+    return pod
+
 
 def _endpoints(api: ClusterAPI) -> Any:
     def resolve(namespace: str, name: str, port: int) -> int:
@@ -165,8 +229,14 @@ def _endpoints(api: ClusterAPI) -> Any:
 
 
 @contextmanager
-def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) -> Iterator[Cluster]:
-    """A running cluster of ``nodes`` whose kubelet knows ``images`` (by reference)."""
+def cluster(
+    tmp: Path,
+    images: dict[str, Image],
+    nodes: list[dict[str, Any]],
+    registry_cert_dir: Path | None = None,
+) -> Iterator[Cluster]:
+    """A running cluster of ``nodes`` whose kubelet knows ``images`` (by reference) and
+    pulls image volumes from registries trusted through ``registry_cert_dir`` (skopeo's)."""
     reason = missing()
     if reason is not None:
         raise RuntimeError(reason)
@@ -197,6 +267,7 @@ def cluster(tmp: Path, images: dict[str, Image], nodes: list[dict[str, Any]]) ->
         for node in nodes:
             kube.create("/api/v1/nodes", node)
         kubelet = Kubelet(kube, tmp / "kubelet", images, api, tls_port, ca)
+        kubelet.registry_cert_dir = registry_cert_dir
         controllers = Controllers(kube, nodes)
         the = Cluster(api, kube, config, kubelet, tmp, kubelet.errors)
         stop = threading.Event()

@@ -30,12 +30,14 @@ OWNERS = {  # kinds that own things here, and where to list them
     "Deployment": ("apps/v1", "deployments"),
     "ReplicaSet": ("apps/v1", "replicasets"),
     "Job": ("batch/v1", "jobs"),
+    "DaemonSet": ("apps/v1", "daemonsets"),
     "KernelCache": ("kernelcache.dev/v1alpha1", "kernelcaches"),
 }
 OWNED = [
     ("apps/v1", "replicasets"),
     ("v1", "pods"),
     ("batch/v1", "jobs"),
+    ("apps/v1", "daemonsets"),
     ("v1", "configmaps"),
     ("v1", "persistentvolumeclaims"),
 ]
@@ -106,8 +108,10 @@ class Controllers:
 
     def step(self) -> None:
         pods = self._list("v1", "pods")
+        self.nodes = self.kube.list(path("v1", "nodes", None))  # nodes join while it runs
         self._deployments()
         self._replicasets(pods)
+        self._daemonsets(pods)
         self._jobs(pods)
         self._schedule(pods)
         self._collect_garbage()
@@ -155,6 +159,32 @@ class Controllers:
                 self.kube.delete(
                     path("v1", "pods", extra["metadata"]["namespace"], extra["metadata"]["name"])
                 )
+
+    def _daemonsets(self, pods: list[dict[str, Any]]) -> None:
+        """A pod of the template on each node it selects and tolerates, bound to the node; a
+        pod of an older template is deleted and replaced (``maxUnavailable: 100%``)."""
+        for daemonset in self._list("apps/v1", "daemonsets"):
+            template = daemonset["spec"]["template"]
+            digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+            mine = [p for p in pods if _owned_by(p, daemonset) and not _finished(p)]
+            placed = set()
+            for pod in mine:
+                labels = pod["metadata"].get("labels") or {}
+                if labels.get("controller-revision-hash") != digest:
+                    meta = pod["metadata"]
+                    self.kube.delete(path("v1", "pods", meta["namespace"], meta["name"]))
+                else:
+                    placed.add(pod["spec"].get("nodeName"))
+            wanted = template["spec"].get("nodeSelector") or {}
+            for node in self.nodes:
+                name = node["metadata"]["name"]
+                labels = node["metadata"].get("labels") or {}
+                if name in placed or not all(labels.get(k) == v for k, v in wanted.items()):
+                    continue
+                if not self._tolerated(node, template["spec"]):
+                    continue
+                bound = {**template, "spec": {**template["spec"], "nodeName": name}}
+                self._create_pod(daemonset, bound, {"controller-revision-hash": digest})
 
     def _jobs(self, pods: list[dict[str, Any]]) -> None:
         for job in self._list("batch/v1", "jobs"):

@@ -17,6 +17,7 @@ test session pays one install per image, and a session on unchanged sources none
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -151,11 +152,15 @@ def build_image(dockerfile: Path, context: Path, cache: Path) -> Image:
     steps = _instructions(dockerfile.read_text())
     sources = [w for _, op, rest in steps if op == "COPY" for w in shlex.split(rest)[:-1]]
     where = cache.absolute() / f"{dockerfile.parent.name}-{_digest(dockerfile, context, sources)}"
-    image = _interpret(dockerfile, context, steps, where, build=not (where / ".built").exists())
-    (where / ".built").touch()
-    for stale in cache.absolute().glob(f"{dockerfile.parent.name}-*"):  # older contents' builds
-        if stale != where:
-            shutil.rmtree(stale, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    # Test files on other workers build the same images at once: one builds, the rest wait.
+    with open(cache.absolute() / f".{dockerfile.parent.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        image = _interpret(dockerfile, context, steps, where, build=not (where / ".built").exists())
+        (where / ".built").touch()
+        for stale in cache.absolute().glob(f"{dockerfile.parent.name}-*"):  # older builds
+            if stale != where:
+                shutil.rmtree(stale, ignore_errors=True)
     return image
 
 

@@ -5,8 +5,9 @@ the host's system directories (bound read-only: the base image's layers), the im
 virtual environment and copied files (``images``), the base image's own ``/etc/passwd`` and
 ``/etc/group``, a minimal ``/dev`` and each volume mount at its ``mountPath``; it then
 ``chroot``s there and drops to the pod's user with ``setpriv`` (uid, gid, ``fsGroup`` and
-supplemental groups; no capabilities; no new privileges). ``readOnlyRootFilesystem``
-remounts the root read-only, so only the volumes can be written, ``/tmp`` included.
+supplemental groups; no capabilities but those ``capabilities.add`` names; no new
+privileges). ``readOnlyRootFilesystem`` remounts the root read-only, so only the volumes can
+be written, ``/tmp`` included.
 
 Volumes, as the kubelet lays them out under the pod's directory: ``emptyDir`` (0777), a
 PersistentVolumeClaim as a directory per claim (root-owned, given to ``fsGroup`` on mount,
@@ -43,6 +44,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 import traceback
@@ -57,6 +59,7 @@ from tests.conftest import scaled
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+READ_ONLY_KINDS = ("configMap", "secret", "downwardAPI", "projected", "image")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
@@ -313,14 +316,21 @@ class PodRunner(threading.Thread):
         table = self._mount_table(image, spec, mounts, termination)
         root = self.dir / "roots" / container.name
         root.mkdir(parents=True, exist_ok=True)
+        # Capabilities: none but what securityContext.capabilities.add names (CHOWN, say).
+        added = "".join(
+            f",+{c.lower().removeprefix('cap_')}"
+            for c in ((spec.get("securityContext") or {}).get("capabilities") or {}).get("add")
+            or []
+        )
         drop = [
             "setpriv",
             f"--reuid={uid}",
             f"--regid={gid}",
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
             "--no-new-privs",
-            "--bounding-set=-all",
-            "--inh-caps=-all",
+            f"--bounding-set=-all{added}",
+            f"--inh-caps=-all{added}",
+            *([f"--ambient-caps=-all{added}"] if added and uid != 0 else []),
             "--",
         ]
         workdir = spec.get("workingDir") or image.workdir
@@ -484,6 +494,10 @@ class PodRunner(threading.Thread):
                     self.kubelet.give_to_group(where, int(fs_group))
             elif "configMap" in volume or "secret" in volume:
                 self._object_volume(volume, where, fs_group)
+            elif "hostPath" in volume:
+                where = self._host_path(volume["hostPath"])
+            elif "image" in volume:
+                where = self.kubelet.image_volume(volume["image"]["reference"], self._pull_auth())
             elif "downwardAPI" in volume:
                 files = {
                     i["path"]: self._field(i["fieldRef"]["fieldPath"]).encode()
@@ -506,6 +520,28 @@ class PodRunner(threading.Thread):
             atomic_writer(where, files, 0o644, fs_group)
             found[SA_DIR] = where
         return found
+
+    def _host_path(self, source: dict[str, Any]) -> Path:
+        """The node's own directory: each node has a disk of its own under the kubelet."""
+        node = str(self.spec.get("nodeName") or "")
+        where = self.kubelet.node_disk(node) / source["path"].lstrip("/")
+        kind = source.get("type", "")
+        if kind == "DirectoryOrCreate" and not where.exists():
+            where.mkdir(parents=True, exist_ok=True)  # two pods may mount it at once
+            where.chmod(0o755)
+        elif kind in ("Directory", "") and not where.is_dir():
+            raise NotReady(f"hostPath {source['path']}: no such directory on node {node}")
+        return where
+
+    def _pull_auth(self) -> dict[str, Any]:
+        """The docker configs of the pod's imagePullSecrets, merged, as the kubelet uses them."""
+        auths: dict[str, Any] = {}
+        for ref in self.spec.get("imagePullSecrets") or []:
+            secret = self.kubelet.read("secrets", self.namespace, ref["name"])
+            data = (secret or {}).get("data") or {}
+            if ".dockerconfigjson" in data:
+                auths.update(json.loads(base64.b64decode(data[".dockerconfigjson"]))["auths"])
+        return {"auths": auths}
 
     def _object_volume(self, volume: dict[str, Any], where: Path, fs_group: Any) -> None:
         kind = "configMap" if "configMap" in volume else "secret"
@@ -567,7 +603,10 @@ class PodRunner(threading.Thread):
                 source = source / mount["subPath"]
             read_only = (
                 mount.get("readOnly")
-                or any(k in volume for k in ("configMap", "secret", "downwardAPI", "projected"))
+                or any(
+                    k in volume
+                    for k in ("configMap", "secret", "downwardAPI", "projected", "image")
+                )
                 or (volume.get("persistentVolumeClaim") or {}).get("readOnly")
             )
             rows.append(
@@ -654,6 +693,7 @@ class Kubelet:
     ) -> None:
         self.kube, self.root, self.images, self.api = kube, root, images, api
         self.api_port, self.ca_pem = api_port, ca_pem
+        self.registry_cert_dir: Path | None = None  # the CA this node trusts for registries
         self.pods: dict[str, PodRunner] = {}
         self._user_dbs: dict[tuple[str, str], Path] = {}
         self._events: set[tuple[str, str, str]] = set()
@@ -666,6 +706,47 @@ class Kubelet:
             if exc.status == 404:
                 return None
             raise
+
+    def node_disk(self, node: str) -> Path:
+        """A node's local disk (hostPath volumes resolve under it)."""
+        where = self.root / "nodes" / node
+        where.mkdir(parents=True, exist_ok=True)
+        return where
+
+    def image_volume(self, reference: str, auth: dict[str, Any]) -> Path:
+        """An image volume: the image pulled by skopeo (with the pod's pull secrets and the
+        node's trust for the registry) and its layers unpacked in order, once per digest."""
+        if "@sha256:" not in reference:
+            raise NotReady(f"image volume {reference}: the harness pulls by digest only")
+        digest = reference.rsplit("@sha256:", 1)[1]
+        where = self.root / "image-volumes" / digest
+        if where.is_dir():
+            return where
+        work = self.root / "image-volumes" / f".pull-{secrets.token_hex(4)}"
+        work.mkdir(parents=True)
+        authfile = work / "auth.json"
+        authfile.write_text(json.dumps(auth))
+        flags = ["--src-authfile", str(authfile)]
+        if self.registry_cert_dir is not None:
+            flags += ["--src-cert-dir", str(self.registry_cert_dir)]
+        pulled = subprocess.run(
+            ["skopeo", "copy", *flags, f"docker://{reference}", f"dir:{work / 'image'}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if pulled.returncode != 0:
+            raise NotReady(f"image volume {reference}: ErrImagePull: {pulled.stderr.strip()}")
+        manifest = json.loads((work / "image" / "manifest.json").read_text())
+        rootfs = work / "rootfs"
+        rootfs.mkdir()
+        for layer in manifest["layers"]:
+            blob = work / "image" / layer["digest"].removeprefix("sha256:")
+            with tarfile.open(blob, "r:*") as tar:
+                tar.extractall(rootfs, filter="data")
+        rootfs.chmod(0o755)
+        os.rename(rootfs, where)
+        return where
 
     def claim_dir(self, namespace: str, claim: str) -> Path:
         where = self.root / "claims" / namespace / claim

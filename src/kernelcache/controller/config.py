@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -115,6 +116,32 @@ class OperatorConfig(BaseModel):
     # kubernetes.io/tls Secret mounted there); empty: kopf generates a self-signed one,
     # which needs kopf's certificate extra (certbuilder).
     webhook_tls_dir: str = "/etc/kernelcache/webhook-tls"
+
+    # How serving pods get their generation (docs/distribution.md, "Cluster modes"):
+    # volume: the KernelCache's claim, read-only (a KernelCache consuming spec.source is
+    # pulled instead: it has no claim); image: each arch's artifact as a read-only image
+    # volume (Kubernetes 1.35+); pull: the init-container pulls it by digest.
+    distribution_mode: Literal["volume", "image", "pull"] = "volume"
+
+    # A ConfigMap (key ca.crt) in each KernelCache's namespace holding the CA that the
+    # registry's certificate chains to, for registries with a private CA; empty: the
+    # image's system CAs.
+    registry_ca: str = ""
+
+    # Node-local prefetch: a hostPath root on every GPU node where a DaemonSet per GPU class
+    # keeps each KernelCache's current generation; empty turns prefetch off.
+    prefetch_root: str = ""
+
+    # Bytes of that root the prefetch may fill; past it, the oldest generations no pod uses
+    # and no KernelCache names are evicted first, and a generation that cannot fit is not
+    # fetched (its pods fall back or wait, below).
+    prefetch_limit_bytes: int = Field(default=50 * 2**30, ge=1)
+
+    # How long a serving pod's init-container waits for its node's local copy (a node that
+    # joined a moment ago), and what it does then: fall back to the mode's own source
+    # (true), or refuse the pod (false: the local disk is the only source allowed).
+    prefetch_wait_seconds: int = Field(default=300, ge=0)
+    prefetch_fallback: bool = True
 
     @field_validator("namespaces", mode="before")
     @classmethod

@@ -84,12 +84,23 @@ def spec_digest(kc: KernelCache, signing: str | None = None) -> str:
         "name": kc.metadata.name,
         "uid": server_set.get("uid"),
         "generation": server_set.get("generation"),
-        "spec": kc.spec.model_dump(mode="json", by_alias=True),
+        "spec": _digested_spec(kc),
     }
     if signing is not None:
         identity["signing"] = signing
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _digested_spec(kc: KernelCache) -> dict[str, Any]:
+    """The spec as digested; ``distribution`` and ``source`` only when set, so a spec written
+    before they existed keeps its digest (and its Jobs) across an operator upgrade."""
+    spec = kc.spec.model_dump(mode="json", by_alias=True)
+    if kc.spec.distribution.oci is None:
+        del spec["distribution"]
+    if kc.spec.source is None:
+        del spec["source"]
+    return spec
 
 
 def _dns(text: str) -> str:
@@ -347,6 +358,11 @@ def compile_job(
         command += ["--public-key", f"{SIGNING_DIR}/{PUBLIC_KEY_FILE}"]  # what pods trust
         mounts.append({"name": "signing", "mountPath": SIGNING_DIR, "readOnly": True})
         volumes.append({"name": "signing", "secret": {"secretName": signing.secret_name}})
+    if (oci := kc.spec.distribution.oci) is not None:
+        push_args, push_mounts, push_volumes = registry_access(oci.push_secret, config)
+        command += ["--push", oci.repository, *push_args]
+        mounts += push_mounts
+        volumes += push_volumes
     node_selector, tolerations, resources = compile_placement(gpu)
     container = {
         "name": "warm",
@@ -381,6 +397,38 @@ def compile_job(
     deadline = timeouts + config.job_deadline_margin_seconds
     name = job_name(kc.metadata.name, arch, digest, attempt)
     return _job(_metadata(kc, name, labels, owner), labels, pod_spec, config, deadline)
+
+
+REGISTRY_DIR = "/etc/kernelcache/registry"
+REGISTRY_CA_DIR = "/etc/kernelcache/registry-ca"
+DOCKER_CONFIG_KEY = ".dockerconfigjson"  # the key of a kubernetes.io/dockerconfigjson Secret
+REGISTRY_CA_KEY = "ca.crt"
+
+
+def registry_access(
+    secret: str | None, config: OperatorConfig
+) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(arguments, mounts, volumes) that give a container a registry's credentials (a
+    docker-config Secret, when one is named) and the CA to trust it with (``registry_ca``)."""
+    args: list[str] = []
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    if secret is not None:
+        args += ["--authfile", f"{REGISTRY_DIR}/{DOCKER_CONFIG_KEY}"]
+        mounts.append({"name": "kernelcache-registry", "mountPath": REGISTRY_DIR, "readOnly": True})
+        items = [{"key": DOCKER_CONFIG_KEY, "path": DOCKER_CONFIG_KEY}]
+        volumes.append(
+            {"name": "kernelcache-registry", "secret": {"secretName": secret, "items": items}}
+        )
+    if config.registry_ca:
+        args += ["--ca-file", f"{REGISTRY_CA_DIR}/{REGISTRY_CA_KEY}"]
+        mounts.append(
+            {"name": "kernelcache-registry-ca", "mountPath": REGISTRY_CA_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {"name": "kernelcache-registry-ca", "configMap": {"name": config.registry_ca}}
+        )
+    return args, mounts, volumes
 
 
 def compile_placement(

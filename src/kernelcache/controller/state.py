@@ -43,11 +43,20 @@ JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
 # names each field of ``spec.ArchStatus``.
 _PUBLISHED = {
     ArchStatus.model_fields[name].alias or name: name
-    for name in ("generation", "stamp_digest", "artifacts", "bytes", "compile_seconds", "signed_by")
+    for name in (
+        "generation",
+        "stamp_digest",
+        "artifacts",
+        "bytes",
+        "compile_seconds",
+        "signed_by",
+        "artifact",
+    )
 }
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
 STATUS_KEYS = (
     "phase", "observedGeneration", "readyArches", "servingArches", "arches", "conditions",
+    "nodes",
 )  # fmt: skip
 
 
@@ -67,6 +76,7 @@ def from_result(result: dict[str, Any]) -> dict[str, Any]:
         "bytes": result.get("bytes"),
         "compile_seconds": result.get("seconds"),
         "signed_by": result.get("signed_by"),
+        "artifact": result.get("artifact"),
     }
 
 
@@ -389,6 +399,13 @@ def plan_arch(
     return ArchPlan(status("Failed", retry), None, True, job)
 
 
+def consumed_arch(arch: str, artifact: str) -> ArchPlan:
+    """An arch of a KernelCache consuming ``spec.source``: built elsewhere, no Job; each
+    node's init-container checks its stamp when a pod starts."""
+    message = "consumed by digest from spec.source; no compile Job runs here"
+    return ArchPlan(arch_status(arch=arch, phase="Ready", artifact=artifact, message=message))
+
+
 def _conditions(
     wanted: list[tuple[str, bool, str, str]],
     previous: list[dict[str, Any]],
@@ -439,7 +456,7 @@ def summarize(
     """
     arches = [p.status for p in plans]
     ready = sum(a["phase"] == "Ready" for a in arches)
-    serving = sum(bool(a.get("generation")) for a in arches)
+    serving = sum(bool(a.get("generation") or a.get("artifact")) for a in arches)
     failed = [a for a in arches if a["phase"] == "Failed"]
     stuck = [p.status for p in plans if p.warning == CANNOT_START]
     busy = [a for a, p in zip(arches, plans, strict=True) if p.progressing]

@@ -67,6 +67,7 @@ import yaml
 
 from kernelcache import contract, nodemap
 from kernelcache.contract import ANNOTATION_CONTAINERS, ANNOTATION_IMAGE_POLICY, LABEL_CACHE
+from kernelcache.controller import modes
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, kernelcache_path, path
 from kernelcache.controller.manifests import (
@@ -85,7 +86,7 @@ IMAGE_POLICIES = ("deny", "warn")
 
 INIT_CONTAINER = "kernelcache"
 CACHE_VOLUME = "kernelcache"
-STORE_VOLUME = "kernelcache-store"
+STORE_VOLUME = modes.STORE_VOLUME
 KEY_VOLUME = "kernelcache-key"
 NODE_MAP_VOLUME = "kernelcache-nodes"
 CACHE_DIR = "/kernelcache"
@@ -235,8 +236,9 @@ def _check_cache_read_only(pod: dict[str, Any], kc: KernelCache, where: str) -> 
 
 def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
     """``kernelcache verify`` for this KernelCache: fails closed, so the pod does not start."""
+    source = modes.serving_source(kc, config)
     args = [
-        "--store", config.store_mount_path,
+        *source.args,
         "--namespace", kc.metadata.namespace, "--name", kc.metadata.name,
         "--expect-image", image_of(kc),
         "--policy", kc.spec.verification.policy,
@@ -245,7 +247,7 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
         "--node-map", nodemap.MOUNT_DIR,
     ]  # fmt: skip
     mounts = [
-        {"name": STORE_VOLUME, "mountPath": config.store_mount_path, "readOnly": True},
+        *source.mounts,
         {"name": CACHE_VOLUME, "mountPath": CACHE_DIR},
         {"name": NODE_MAP_VOLUME, "mountPath": nodemap.MOUNT_DIR, "readOnly": True},
     ]
@@ -279,14 +281,12 @@ def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
     }
 
 
-def volumes(kc: KernelCache) -> list[dict[str, Any]]:
-    """The claim (read-only), the emptyDir, the node map and, with signing, the public key
-    only. The map is optional: without it the init-container says so in one line."""
+def volumes(kc: KernelCache, config: OperatorConfig) -> list[dict[str, Any]]:
+    """The generation's source (the claim read-only, image volumes, a registry secret, the
+    node's prefetched copies: ``modes``), the emptyDir, the node map and, with signing, the
+    public key only. The map is optional: without it the init-container says so in one line."""
     found = [
-        {
-            "name": STORE_VOLUME,
-            "persistentVolumeClaim": {"claimName": claim_name(kc), "readOnly": True},
-        },
+        *modes.serving_source(kc, config).volumes,
         {"name": CACHE_VOLUME, "emptyDir": {}},
         *({"name": m["name"], "emptyDir": {}} for m in vllm_mounts(kc)),
         {
@@ -307,6 +307,15 @@ def vllm_mounts(kc: KernelCache) -> list[dict[str, Any]]:
     """vLLM's cache roots, writable (a warm start writes into them), in init and serving."""
     roots = kc.spec.vllm_cache_roots()
     return [{"name": f"{VLLM_VOLUME}-{i}", "mountPath": root} for i, root in enumerate(roots)]
+
+
+def _pull_secrets(
+    spec: dict[str, Any], kc: KernelCache, config: OperatorConfig
+) -> list[dict[str, str]]:
+    """The secrets the kubelet needs to pull the image volumes (image mode), unless listed."""
+    have = {s.get("name") for s in spec.get("imagePullSecrets") or []}
+    wanted = modes.serving_source(kc, config).pull_secrets
+    return [{"name": name} for name in wanted if name not in have]
 
 
 def serving_env(kc: KernelCache) -> list[dict[str, str]]:
@@ -375,7 +384,7 @@ def mutate_pod(
     serving = _serving(pod, where)
     _check_images(pod, serving, kc, where, warnings)
     _check_cache_read_only(pod, kc, where)
-    new_volumes = volumes(kc)
+    new_volumes = volumes(kc, config)
     taken = {v.get("name") for v in spec.get("volumes") or []} & {v["name"] for v in new_volumes}
     if taken:
         raise Denied(f"pod {where}: volume {sorted(taken)[0]!r} exists; kernelcache needs the name")
@@ -383,6 +392,7 @@ def mutate_pod(
     ops: Patch = []
     _append(ops, spec, "/spec", "initContainers", [init_container(kc, config)])
     _append(ops, spec, "/spec", "volumes", new_volumes)
+    _append(ops, spec, "/spec", "imagePullSecrets", _pull_secrets(spec, kc, config))
     env = serving_env(kc)
     mount = {"name": CACHE_VOLUME, "mountPath": CACHE_DIR, "readOnly": True}
     for i, container in serving:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kernelcache.controller import manifests, metrics, signing, state
+from kernelcache.contract import LABEL_ARCH
+from kernelcache.controller import manifests, metrics, modes, signing, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.errors import SpecError
@@ -131,6 +132,9 @@ def _reconcile_once(
     )
     plans, prepared = [], False
     for arch in kc.spec.arches():
+        if kc.spec.source is not None:
+            plans.append(state.consumed_arch(arch, kc.spec.source.oci.artifacts[arch]))
+            continue
         arch_jobs = current.get(arch, [])
         job = state.newest(arch_jobs)
         result, stuck = None, None
@@ -163,6 +167,8 @@ def _reconcile_once(
     status = signing.with_trust(
         kc, state.summarize(plans, generation, previous, now), secret, previous, now
     )
+    if config.prefetch_root:
+        status["nodes"] = _prefetch(kube, config, body, kc, status, owner)
     reconciled = _write(kube, body, previous, status, "ok", events, plans)
     if state.published(status) != state.published(previous):
         _record(kube, kc, uid, state.published(status))
@@ -181,6 +187,38 @@ def _stuck(kube: Kube, namespace: str, job: dict[str, Any]) -> str | None:
     query = {"fieldSelector": f"involvedObject.name={newest['metadata']['name']}"}
     events = kube.request("GET", path("v1", "events", namespace), query=query).get("items")
     return state.pod_stuck(pods, events or [])
+
+
+def _prefetch(
+    kube: Kube,
+    config: OperatorConfig,
+    body: dict[str, Any],
+    kc: KernelCache,
+    status: dict[str, Any],
+    owner: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Keep one prefetch DaemonSet per GPU class on what the new status serves (created,
+    updated when what it fetches changed, deleted when its class or arch is gone); each
+    node's state, from the pods they run."""
+    serving = parse_kernelcache({**_object(body), "status": status}, "status")
+    namespace, uid = kc.metadata.namespace, owner["uid"]
+    collection = path("apps/v1", "daemonsets", namespace)
+    existing = {
+        d["metadata"]["name"]: d
+        for d in kube.list(collection, manifests.selector(uid, modes.PREFETCH))
+    }
+    digests = {}
+    for daemonset in modes.prefetch_daemonsets(serving, owner, config):
+        name = daemonset["metadata"]["name"]
+        digests[daemonset["metadata"]["labels"][LABEL_ARCH]] = modes.template_digest(daemonset)
+        if name not in existing:
+            kube.create(collection, daemonset)
+        elif modes.template_digest(existing.pop(name)) != modes.template_digest(daemonset):
+            kube.patch(f"{collection}/{name}", {"spec": daemonset["spec"]})
+    for name in existing:  # a class removed, or an arch that serves nothing now
+        kube.delete(f"{collection}/{name}")
+    pods = kube.list(path("v1", "pods", namespace), manifests.selector(uid, modes.PREFETCH))
+    return modes.node_states(pods, digests)
 
 
 def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,299 @@
+"""Generations beyond one volume, through the cluster harness (``tests.cluster``), with a
+real registry (Debian's docker-registry, TLS and basic auth) between two clusters:
+
+1. cluster A builds: the example KernelCache with ``spec.distribution.oci``; its compile
+   Jobs publish to A's claim and push; ``status.arches[].artifact`` names each by digest,
+   which skopeo (an independent client) reads;
+2. A runs node-local prefetch: a DaemonSet per GPU class pulls each arch onto its nodes
+   (``status.nodes`` Ready), and a serving pod there starts warm with zero reads of the
+   shared claim, counted by the kernel (inotify on every directory of it);
+3. a node joins A later: its first pod waits for the node's copy and reads nothing else;
+4. cluster B, another API server and another kubelet (another store, no volume shared with
+   A), consumes A's artifacts by digest in image-volume mode: no compile Job runs, the
+   kubelet mounts each artifact read-only, and a pod starts warm from it.
+
+The module shares the registry and both clusters; each test is a step on what the previous
+left.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kernelcache.contract import OCI_ANNOTATION_GENERATION
+from kernelcache.controller.kube import kernelcache_path
+from tests import cluster as harness
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(harness.missing() is not None, reason=str(harness.missing())),
+]
+
+from tests.cluster.images import Image, build_image  # noqa: E402
+from tests.conftest import REPO, wait_until  # noqa: E402
+
+NAMESPACE = "kernelcache-system"
+IMAGES = {
+    "ghcr.io/kernelcache/kernelcache-operator:0.1.0": "operator/Dockerfile",
+    "ghcr.io/kernelcache/kernelcache-init:0.1.0": "initcontainer/Dockerfile",
+    "ghcr.io/kernelcache/examples:0.1.0": "examples/Dockerfile",
+}
+H200 = ("NVIDIA-H200", 9, 0)
+RTX = ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition", 12, 0)
+EXAMPLE = REPO / "examples" / "kernelcache.yaml"
+SERVING_POD = REPO / "examples" / "demo-serving-pod.yaml"
+PREFETCH_ROOT = "/var/lib/kernelcache-prefetch"
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, Image]:
+    cache = REPO / ".tools" / "images"  # shared with tests/test_cluster.py: built once
+    return {ref: build_image(REPO / df, REPO, cache) for ref, df in IMAGES.items()}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.helpers.registry import running_registry
+
+    with running_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def a(
+    images: dict[str, Image], registry: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[harness.Cluster]:
+    nodes = [harness.gpu_node("a-h200-1", *H200), harness.gpu_node("a-rtx-1", *RTX)]
+    with harness.cluster(tmp_path_factory.mktemp("a"), images, nodes, registry.cert_dir) as it:
+        yield it
+
+
+@pytest.fixture(scope="module")
+def b(
+    images: dict[str, Image], registry: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[harness.Cluster]:
+    nodes = [harness.gpu_node("b-h200-1", *H200), harness.gpu_node("b-rtx-1", *RTX)]
+    with harness.cluster(tmp_path_factory.mktemp("b"), images, nodes, registry.cert_dir) as it:
+        yield it
+
+
+def ok(done: Any) -> str:
+    assert done.returncode == 0, done.stderr
+    return str(done.stdout)
+
+
+def apply(the: harness.Cluster, *docs: dict[str, Any]) -> None:
+    for doc in docs:
+        ok(the.kubectl("apply", "--server-side", "--validate=false", "-f", "-",
+                       stdin=json.dumps(doc)))  # fmt: skip
+
+
+def registry_objects(registry: Any, namespace: str) -> list[dict[str, Any]]:
+    """The registry's credentials as a pull secret, and its CA as a ConfigMap."""
+    config = base64.b64encode(registry.authfile.read_bytes()).decode()
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/dockerconfigjson",
+         "metadata": {"name": "regcred", "namespace": namespace},
+         "data": {".dockerconfigjson": config}},
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": {"name": "registry-ca", "namespace": namespace},
+         "data": {"ca.crt": registry.ca_file.read_text()}},
+    ]  # fmt: skip
+
+
+def kernelcache(the: harness.Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return the.kube.get(kernelcache_path(namespace, name))
+
+
+def serve(the: harness.Cluster, namespace: str, cache: str, name: str, **spec: Any) -> dict:
+    """The example serving pod for ``cache``, run to its end; this node has no GPU, so the
+    DSL is told the arch a GPU would have shown it."""
+    pod = yaml.safe_load(SERVING_POD.read_text())
+    pod["metadata"].update(name=name, namespace=namespace, labels={"kernelcache.dev/cache": cache})
+    pod["spec"]["containers"][0]["env"] = [{"name": "CUTE_DSL_ARCH", "value": "sm_90a"}]
+    pod["spec"].update(spec)
+    # Created, not applied server-side: the harness admits CREATE requests only.
+    ok(the.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(pod)))
+
+    def finished() -> dict[str, Any] | None:
+        got = the.pod(namespace, name)
+        return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_until(finished, timeout=600, interval=1, what=f"pod {name} to finish")
+
+
+def started_warm(the: harness.Cluster, pod: dict[str, Any]) -> str:
+    """The init-container's log, once the pod has loaded every kernel with zero compiles."""
+    init_log = the.logs(pod, "kernelcache")
+    serve_log = the.logs(pod, "serve")
+    inits = pod["status"].get("initContainerStatuses")
+    assert pod["status"]["phase"] == "Succeeded", f"{inits}\n{init_log}{serve_log}"
+    assert " 0 compiled, 0 uncacheable" in serve_log and "loaded from cache" in serve_log
+    return init_log
+
+
+class Reads:
+    """Every open and read of a file or directory in a tree, counted by the kernel (inotify:
+    events come from any process, any mount namespace, any bind mount of those inodes)."""
+
+    IN_ACCESS, IN_OPEN = 0x1, 0x20
+
+    def __init__(self, root: Path) -> None:
+        self.libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        self.dirs = [root, *(p for p in root.rglob("*") if p.is_dir() and not p.is_symlink())]
+        for where in self.dirs:
+            mask = self.IN_ACCESS | self.IN_OPEN
+            assert self.libc.inotify_add_watch(self.fd, os.fsencode(where), mask) >= 0
+
+    def count(self) -> int:
+        found = 0
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return found
+            at = 0
+            while at < len(data):
+                _, _, _, length = struct.unpack_from("iIII", data, at)
+                at += 16 + length
+                found += 1
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# --------------------------------------------------------------------------- cluster A
+
+
+def test_cluster_a_builds_and_pushes_each_arch_by_digest(a: harness.Cluster, registry: Any) -> None:
+    harness.install_chart(
+        a,
+        NAMESPACE,
+        {
+            "distribution": {"mode": "volume", "registryCA": "registry-ca"},
+            "prefetch": {"enabled": True, "root": PREFETCH_ROOT, "waitSeconds": 600},
+        },
+    )
+    apply(a, *registry_objects(registry, "default"))
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    repository = registry.repo("caches/demo")
+    doc["spec"]["distribution"] = {"oci": {"repository": repository, "pushSecret": "regcred"}}
+    apply(a, doc)
+
+    def pushed() -> list[dict[str, Any]] | None:
+        status = kernelcache(a, "default", "demo").get("status") or {}
+        arches = status.get("arches") or []
+        ready = status.get("phase") == "Ready" and all(x.get("artifact") for x in arches)
+        return arches if ready else None
+
+    arches = wait_until(pushed, timeout=900, interval=2, what="demo Ready with its artifacts")
+    assert [x["arch"] for x in arches] == ["sm_120a", "sm_90a"]
+    for arch in arches:
+        assert arch["artifact"].startswith(f"{repository}@sha256:"), arch
+        inspected = registry.skopeo("inspect", "--raw", f"docker://{arch['artifact']}")
+        assert inspected.returncode == 0, inspected.stderr
+        manifest = json.loads(inspected.stdout)
+        assert manifest["annotations"][OCI_ANNOTATION_GENERATION] == arch["generation"]
+    assert a.api.denied == [] and a.errors == [], (a.api.denied, a.errors[-1:])
+
+
+def node_states(the: harness.Cluster) -> dict[tuple[str, str], str]:
+    status = kernelcache(the, "default", "demo").get("status") or {}
+    return {(n["node"], n["arch"]): n["phase"] for n in status.get("nodes") or []}
+
+
+def test_a_pod_on_a_prefetched_node_reads_nothing_of_the_shared_claim(a: harness.Cluster) -> None:
+    # The h200 class selects its nodes; the rtx class names no labels: every node.
+    wait_until(
+        lambda: node_states(a).get(("a-h200-1", "sm_90a")) == "Ready",
+        timeout=600, interval=1, what="the h200 node prefetched",
+    )  # fmt: skip
+    disk = a.node_disk("a-h200-1") / PREFETCH_ROOT.lstrip("/")
+    assert (disk / ".wanted" / "default" / "demo" / "sm_90a.json").is_file()
+    claim = a.claim_dir("default", "kernelcache-demo")
+    reads = Reads(claim)
+    try:
+        pod = serve(a, "default", "demo", "warm-from-local")
+        init_log = started_warm(a, pod)
+        assert "from this node's prefetched copy" in init_log, init_log
+        assert reads.count() == 0
+        # The count is live: one read of the claim is seen.
+        next(p for p in claim.rglob("MANIFEST.json")).read_bytes()
+        assert reads.count() > 0
+    finally:
+        reads.close()
+
+
+def test_a_node_that_joins_later_is_prefetched_and_its_first_pod_waits_for_it(
+    a: harness.Cluster,
+) -> None:
+    claim = a.claim_dir("default", "kernelcache-demo")
+    reads = Reads(claim)
+    try:
+        a.kube.create("/api/v1/nodes", harness.gpu_node("a-h200-2", *H200))
+        # Admitted at once: the node's DaemonSet pod and this one start together. (OnFailure:
+        # its init-container is retried until the operator's node map names the new node.)
+        selector = {"kubernetes.io/hostname": "a-h200-2"}
+        pod = serve(a, "default", "demo", "first-on-new-node", nodeSelector=selector,
+                    restartPolicy="OnFailure")  # fmt: skip
+        init_log = started_warm(a, pod)
+        assert pod["spec"]["nodeName"] == "a-h200-2"
+        assert "from this node's prefetched copy (waited" in init_log, init_log
+        assert "reading it from its source instead" not in init_log
+        assert reads.count() == 0
+    finally:
+        reads.close()
+    wait_until(
+        lambda: node_states(a).get(("a-h200-2", "sm_90a")) == "Ready",
+        timeout=300, interval=1, what="the new node Ready in status.nodes",
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- cluster B
+
+
+def test_cluster_b_consumes_a_by_digest_in_image_mode_and_a_pod_starts_warm(
+    a: harness.Cluster, b: harness.Cluster, registry: Any
+) -> None:
+    built = {
+        x["arch"]: x["artifact"] for x in kernelcache(a, "default", "demo")["status"]["arches"]
+    }
+    harness.install_chart(b, NAMESPACE, {"distribution": {"mode": "image"}})
+    apply(b, *registry_objects(registry, "default"))
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": "served", "namespace": "default"}  # another name: another key
+    spec = doc["spec"]
+    for dropped in ("warmers", "storage", "retention"):
+        spec.pop(dropped, None)
+    spec["source"] = {"oci": {"artifacts": built, "pullSecret": "regcred"}}
+    apply(b, doc)
+
+    def ready() -> list[str] | None:
+        rows = ok(b.kubectl("get", "kc", "served", "-n", "default")).splitlines()
+        row = rows[1].split() if len(rows) > 1 else []
+        return row if row[4:5] == ["Ready"] else None
+
+    row = wait_until(ready, timeout=300, interval=1, what="kubectl get kc served: Ready")
+    assert row[2:4] == ["2/2", "2/2"], row
+    assert b.kube.list("/apis/batch/v1/jobs") == []  # built elsewhere: no compile Job here
+    pod = serve(b, "default", "served", "warm-from-image-volume")
+    init_log = started_warm(b, pod)
+    assert "default/demo/sm_90a: generation" in init_log  # the building cluster's key
+    assert "from its image volume" in init_log, init_log
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kernelcache-artifact-sm-90a"]["image"]["reference"] == built["sm_90a"]
+    assert not [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert not (b.kubelet.root / "claims").exists()  # B has no store at all
+    assert b.api.denied == [] and b.errors == [], (b.api.denied, b.errors[-1:])
