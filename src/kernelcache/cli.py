@@ -173,7 +173,11 @@ def _warm_failed(args: argparse.Namespace, code: int, line: str, seconds: float)
         return None  # no arch to report on: the plain failure object
     message = line.removeprefix("kernelcache: ").removeprefix("error: ")
     result = build.ArchResult(
-        arch=args.arch, status="failed", seconds=round(seconds, 3), exit_code=code, message=message
+        arch=args.arch,
+        status=build.Status.FAILED,
+        seconds=round(seconds, 3),
+        exit_code=code,
+        message=message,
     )
     if args.result is not None:
         with contextlib.suppress(KernelCacheError):  # one line: the failure being reported

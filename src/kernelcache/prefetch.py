@@ -96,7 +96,7 @@ def sync(
         manifest = result.manifest
         assert manifest is not None
         evicted += _make_room(root, manifest.total_bytes, limit_bytes, keep=set(), new=0)
-        materialize(gen_dir, manifest, root / key, workers=workers)
+        materialize(result, root / key, workers=workers)
         wanted = Wanted(token, key, manifest.generation)
     write_wanted(root, key, wanted)
     return Synced(key, wanted, True, evicted, used(root))

@@ -66,16 +66,19 @@ from kernelcache.store.manifest import Manifest
 from kernelcache.store.signing import (
     PrivateKeyLike,
     PublicKeyLike,
-    load_public_key,
     private_key,
+    public_keys,
     signature_bytes,
-    signature_mismatch,
+    signer,
 )
 from kernelcache.store.verification import verify
 from kernelcache.store.writer import Store
 
 # The small blobs (config, MANIFEST.json's layer, a signature payload) are read whole; more
 # than this is not one of ours.
+# The public keys a puller trusts: several while a signing key is rotated.
+Trusted = tuple[Ed25519PublicKey, ...]
+
 _SMALL_BLOB = 64 << 20
 _READ = 1 << 20
 # Pulled bytes between two syncs of the store's filesystem while more arrive (``_Flusher``).
@@ -307,7 +310,7 @@ def _open(
     ca_file: str | os.PathLike[str] | None,
     public_key: PublicKeyLike | None,
     require_signature: bool,
-) -> tuple[Reference, Client, ImageManifest, Ed25519PublicKey | None]:
+) -> tuple[Reference, Client, ImageManifest, Trusted | None]:
     """The reference (a digest), a client, the manifest checked against the digest and
     (with a key) its signature, and the key to check the generation with."""
     reference = Reference.parse(ref)
@@ -408,7 +411,7 @@ def pull(
 def _already_current(
     store: Store,
     image: ImageManifest,
-    public: Ed25519PublicKey | None,
+    public: Trusted | None,
     require_signature: bool,
     workers: int | None,
 ) -> Manifest | None:
@@ -432,10 +435,9 @@ def _already_current(
     return manifest
 
 
-def _public_key(public_key: PublicKeyLike | None) -> Ed25519PublicKey | None:
-    if public_key is None or isinstance(public_key, Ed25519PublicKey):
-        return public_key
-    return load_public_key(public_key)
+def _public_key(public_key: PublicKeyLike | None) -> Trusted | None:
+    """The trusted keys (several during a key rotation), or None: no signature checked."""
+    return None if public_key is None else public_keys(public_key)
 
 
 def _small_blob(client: Client, descriptor: Descriptor, what: str) -> bytes:
@@ -460,10 +462,8 @@ def _bounded(chunks: Iterator[bytes], limit: int, what: str) -> Iterator[bytes]:
         yield chunk
 
 
-def _check_signature(
-    client: Client, reference: Reference, digest: str, public: Ed25519PublicKey
-) -> None:
-    """The manifest digest must be signed by ``public`` under cosign's tag scheme."""
+def _check_signature(client: Client, reference: Reference, digest: str, public: Trusted) -> None:
+    """The manifest digest must be signed by one of ``public`` under cosign's tag scheme."""
     name, tag = reference.with_digest(digest), artifact.signature_tag(digest)
     source = f"{reference.name}:{tag}"
     try:
@@ -479,8 +479,10 @@ def _check_signature(
         payload = _small_blob(client, descriptor, f"{source}: signature {i}")
         try:
             vouches_for = artifact.payload_digest(payload, f"{source}: signature {i}")
-            public.verify(base64.b64decode(encoded, validate=True), payload)
-        except (ManifestError, InvalidSignature, binascii.Error, ValueError):
+            signature = base64.b64decode(encoded, validate=True)
+        except (ManifestError, binascii.Error, ValueError):
+            continue
+        if not any(_signed_by(key, signature, payload) for key in public):
             continue
         if vouches_for == digest:
             return
@@ -494,12 +496,20 @@ def _check_signature(
     raise SignatureError(f"{name}: the signature under tag {tag} {what}")
 
 
+def _signed_by(key: Ed25519PublicKey, signature: bytes, payload: bytes) -> bool:
+    try:
+        key.verify(signature, payload)
+    except InvalidSignature:
+        return False
+    return True
+
+
 def _read_meta(
     client: Client,
     name: str,
     image: ImageManifest,
     diff_id: str,
-    public: Ed25519PublicKey | None,
+    public: Trusted | None,
 ) -> dict[str, bytes]:
     """The first layer's MANIFEST.json and signature, in memory; with a key, the signature
     must be there and be by it. Checked before anything is written or any file fetched."""
@@ -523,7 +533,7 @@ def _read_meta(
     if public is not None:
         if SIGNATURE_NAME not in found:
             raise SignatureError(f"{what}: holds no {SIGNATURE_NAME}: the generation is unsigned")
-        mismatch = signature_mismatch(found[SIGNATURE_NAME], found[MANIFEST_NAME], public)
+        _, mismatch = signer(found[SIGNATURE_NAME], found[MANIFEST_NAME], public)
         if mismatch is not None:
             raise SignatureError(f"{what}: {SIGNATURE_NAME} {mismatch}")
     return found
