@@ -174,6 +174,19 @@ def generation_symlink(tmp: Path) -> str:
     return verify(store, *H200, code=8)
 
 
+def target_holds_a_symlink(tmp: Path) -> str:
+    store, gen = published(tmp)
+    target = tmp / "pod"
+    target.mkdir()
+    (target / gen.name).symlink_to(tmp / "elsewhere")
+    return verify(store, *H200, "--materialize", str(target), code=8)
+
+
+def target_in_a_store(tmp: Path) -> str:
+    store, gen = published(tmp)
+    return verify(store, *H200, "--materialize", str(gen.parent / "copy"), code=8)
+
+
 def current_symlink(tmp: Path) -> str:
     store, gen = published(tmp)
     current = gen.parent / "CURRENT"
@@ -353,6 +366,8 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "…/MANIFEST.json: files: '..' segment: '../x'": dotdot_path,
     "…/sm_90a/<generation>: is a symlink (to '…'); a generation must be a directory of its key": generation_symlink,  # noqa: E501
     "…/CURRENT: is a symlink": current_symlink,
+    "…/<generation>: is a symlink (to '…'); a materialize target holds only what kernelcache wrote": target_holds_a_symlink,  # noqa: E501
+    "…: lies in a store (…); materialize outside it": target_in_a_store,
     "…/files/….o: has 2 hard links: it can change through a name outside the generation": hard_link,
     "cannot determine this node's GPU arch: no --arch or KERNELCACHE_ARCH; no node name (…); nvidia-smi is not on PATH": no_arch_known,  # noqa: E501
     "/var/lib/kernelcache: store does not exist": no_store,

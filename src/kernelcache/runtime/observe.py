@@ -531,7 +531,10 @@ def file_digest(path: str) -> str:
     found = _digests.get(key)
     if found is None:
         if st.st_size >= _MMAP_FROM:
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path)
+            # One thread: compiles run in forked workers (b12x's pool) of a process that has
+            # observed already, and a hasher's thread pool does not survive a fork: the child
+            # would wait on it for ever.
+            hasher = blake3.blake3().update_mmap(path)
         else:
             with open(path, "rb") as file:
                 hasher = blake3.blake3(file.read())
