@@ -543,6 +543,7 @@ def test_the_chart_says_the_mode_and_configures_the_operator_with_it() -> None:
         env = {
             e["name"]: e["value"]
             for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+            if "value" in e  # not the fields read from the pod (POD_ID)
         }
         return OperatorConfig.from_env(
             {k: v for k, v in env.items() if k.startswith("KERNELCACHE_OPERATOR_")}

@@ -413,6 +413,8 @@ NOT_HERE = {
     "kubectl": "needs a cluster (the cluster tests apply the same objects to the harness)",
     "helm rollback": "needs an installed release",
     "helm history": "needs an installed release",
+    "kernelcache push": "needs a registry (tests/test_oci.py runs it against a real one)",
+    "kernelcache pull": "needs a registry (tests/test_oci.py runs it against a real one)",
 }
 # helm commands that change a cluster are run as ``helm template`` with the same chart and
 # values (what they would apply); these flags only mean something to an installed release.
