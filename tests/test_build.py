@@ -401,7 +401,7 @@ def test_tuning_built_off_gpu_is_scoped_by_the_declared_product(tmp_path, declar
     else:
         assert "gpu_product" not in manifest.stamp["factors"]
         assert published == ["triton/k/op.cubin"]
-        assert "dropped 3 tuning file(s)" in proc.stderr, proc.stderr
+        assert f"dropped {len(tuned)} tuning file(s)" in proc.stderr, proc.stderr
     for product, served in (("NVIDIA-H200", True), ("NVIDIA-H100", not declared)):
         args = ["verify", "--store", str(store), "--key", "default/demo/sm_90a"]
         proc = kernelcache(*args, "--policy", "strict", "--gpu-product", product)

@@ -702,9 +702,13 @@ _locators: dict[tuple[str, tuple[str, ...]], str] = {}
 
 
 def _locate(path: str, entries: tuple[str, ...]) -> str:
-    for depth, entry in enumerate(entries):
+    """Under the deepest entry that holds the file (site-packages, not a working directory
+    that happens to hold a virtual environment: a serving process need not have that one),
+    unless an entry searched before it holds the same name."""
+    for entry in sorted(entries, key=len, reverse=True):
         if path.startswith(entry + os.sep):
             rel = path[len(entry) + 1 :]
+            depth = entries.index(entry)
             if not any(os.path.isfile(os.path.join(e, rel)) for e in entries[:depth]):
                 return "pypath:" + rel
     return path
