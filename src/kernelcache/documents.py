@@ -23,8 +23,30 @@ MAX_DEPTH = 64
 ErrorClass = Callable[..., KernelCacheError]
 
 
-def too_deep(source: str) -> str:
-    return f"{source}: nested deeper than {MAX_DEPTH} levels"
+def too_deep(source: str, where: str = "") -> str:
+    """The line; ``where``: the field path at which the document got too deep, when known."""
+    return f"{source}: {where + ': ' if where else ''}nested deeper than {MAX_DEPTH} levels"
+
+
+# A field's place as a linked trail (key, parent trail): built for every node without
+# formatting, spelled out only for the one that is too deep.
+Trail = tuple[Any, Any] | None
+
+
+# Of a path 64 levels deep, the first fields say where: the rest is the nesting itself.
+PATH_SHOWN = 4
+
+
+def field_path(trail: Trail) -> str:
+    """``spec.gpuClasses[0].nodeSelector…``, as the spec errors spell a field (keys as
+    ``repr`` where they are not plain names), its first ``PATH_SHOWN`` steps."""
+    parts: list[str] = []
+    while trail is not None:
+        key, trail = trail
+        plain = isinstance(key, str) and key.isidentifier()
+        parts.append(f"[{key!r}]" if not plain else f".{key}")
+    shown = "".join(reversed(parts[-PATH_SHOWN:])).removeprefix(".")
+    return shown + ("…" if len(parts) > PATH_SHOWN else "")
 
 
 @contextmanager
@@ -39,18 +61,18 @@ def depth_guard(source: str, error: ErrorClass) -> Iterator[None]:
 def check_depth(obj: Any, source: str, error: ErrorClass) -> Any:
     """``obj`` when no list or mapping in it is nested deeper than ``MAX_DEPTH`` (counted
     without recursion, so a document parsed elsewhere is checked the same)."""
-    stack = [(obj, 1)]
+    stack: list[tuple[Any, int, Trail]] = [(obj, 1, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, trail = stack.pop()
         if isinstance(node, dict):
-            children: Any = node.values()
+            children: Any = node.items()
         elif isinstance(node, list | tuple):
-            children = node
+            children = enumerate(node)
         else:
             continue
         if depth > MAX_DEPTH:
-            raise error(too_deep(source), path=source)
-        stack.extend((child, depth + 1) for child in children)
+            raise error(too_deep(source, field_path(trail)), path=source)
+        stack.extend((child, depth + 1, (key, trail)) for key, child in children)
     return obj
 
 
