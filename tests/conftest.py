@@ -69,8 +69,10 @@ def system_tool(name: str) -> str:
 
 
 def subprocess_env(**overrides: str) -> dict[str, str]:
-    """The environment for a child Python: examples importable, overrides applied."""
-    env = dict(os.environ)
+    """The environment for a child Python: examples importable, overrides applied. The
+    runner's terminal size is not passed on (pytest-xdist's workers carry one): the CLI then
+    prints at its width for a pipe, and a test that wants a width sets COLUMNS itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(EXAMPLES), str(REPO / "src"), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
