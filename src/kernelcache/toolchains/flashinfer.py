@@ -485,7 +485,8 @@ def watch_jit(module: Any, noop_threshold: float = NOOP_SECONDS) -> None:
         return result
 
     def build_and_load_recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        aot = bool(self.is_aot)
+        # Only nvcc modules can be prebuilt (0.7.x's CuTe-DSL specs have no is_aot).
+        aot = bool(getattr(self, "is_aot", False))
         result = build_and_load(self, *args, **kwargs)
         loads.modules.setdefault(self.name, "aot" if aot else "jit")
         return result
