@@ -26,7 +26,6 @@ import re
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -93,19 +92,6 @@ def operator_pod(kc: harness.Cluster) -> dict[str, Any]:
     return pods[0] if len(pods) == 1 else {}
 
 
-def webhook_serves(port: int) -> bool:
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    try:
-        with (
-            socket.create_connection(("127.0.0.1", port), timeout=1) as raw,
-            context.wrap_socket(raw),
-        ):
-            return True
-    except OSError:
-        return False
-
-
 def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.Cluster) -> None:
     """Values: one replica (pods share the harness's network), free ports, the images built."""
     webhook = free_port()
@@ -139,7 +125,7 @@ def test_the_chart_installs_and_the_operator_runs_as_its_image_user(kc: harness.
 
     def serving() -> bool:
         pod = operator_pod(kc)
-        return (pod.get("status") or {}).get("phase") == "Running" and webhook_serves(webhook)
+        return (pod.get("status") or {}).get("phase") == "Running" and harness.serves_tls(webhook)
 
     try:
         wait_until(serving, timeout=120, interval=0.5, what="the operator's webhook")
@@ -687,7 +673,7 @@ def seen_operator_down(kc: harness.Cluster) -> tuple[str, str]:
     refused = create_pod(kc, "walk-down-1", "tuned")
     scale(1)
     port = int((kc.tmp / "webhook-port").read_text())
-    wait_until(lambda: webhook_serves(port), timeout=120, interval=0.5, what="the webhook back")
+    wait_until(lambda: harness.serves_tls(port), timeout=120, interval=0.5, what="the webhook back")
     assert refused.returncode != 0
     return "tuned", refused.stderr
 
