@@ -368,16 +368,7 @@ def pull(
         raise IntegrityError(f"{name}: an artifact of key {image.key}, not of {key}")
     target = Store(os.fspath(store))
     if (here := _already_current(target, image, public, require_signature, workers)) is not None:
-        return PullResult(
-            ref_digest=name,
-            key=here.key,
-            generation=here.generation,
-            gen_dir=target.key_dir(here.key) / here.generation,
-            files=len(here.files),
-            bytes=here.total_bytes,
-            signature_verified=public is not None,
-            seconds=time.monotonic() - started,
-        )
+        return _result(name, target, here, public, started)
     config = _small_blob(client, image.config, f"{name}: config {image.config.digest}")
     diff_ids = artifact.parse_config(config, f"{name}: config", len(image.layers))
     meta = _read_meta(client, name, image, diff_ids[0], public)
@@ -396,11 +387,18 @@ def pull(
             workers=workers,
             digests=False,  # every file's blake3 was checked as it was written
         )
+    return _result(name, target, adopted, public, started)
+
+
+def _result(
+    name: str, store: Store, manifest: Manifest, public: Trusted | None, started: float
+) -> PullResult:
+    """What a pull reports of the generation it left current in ``store``."""
     return PullResult(
         ref_digest=name,
-        key=adopted.key,
-        generation=adopted.generation,
-        gen_dir=target.key_dir(adopted.key) / adopted.generation,
+        key=manifest.key,
+        generation=manifest.generation,
+        gen_dir=store.key_dir(manifest.key) / manifest.generation,
         files=len(manifest.files),
         bytes=manifest.total_bytes,
         signature_verified=public is not None,

@@ -16,7 +16,7 @@ import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
-from typing import Protocol
+from typing import Any, Protocol
 
 from kernelcache.distribution.artifact import LAYER_TAR_GZIP, Descriptor
 from kernelcache.errors import IntegrityError, KernelCacheError, UnsafePathError, one_line
@@ -33,7 +33,24 @@ class Source(Protocol):
         """At most ``size`` bytes (at least one until the end), without a copy."""
 
 
-class BlobReader:
+class _Hashed:
+    """A source that hashes what it hands on: ``digest`` once ``drain`` has read it all."""
+
+    hasher: Any
+
+    def view(self, size: int) -> memoryview:
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        while self.view(1 << 20):
+            pass
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.hasher.hexdigest()
+
+
+class BlobReader(_Hashed):
     """A blob's chunks, hashed and counted as they are handed on; more than ``limit`` bytes
     (a blob larger than its descriptor) is refused."""
 
@@ -63,16 +80,8 @@ class BlobReader:
         """For ``gzip.GzipFile``, which reads the compressed blob through this."""
         return bytes(self.view(size if size >= 0 else 1 << 20))
 
-    def drain(self) -> None:
-        while self.view(1 << 20):
-            pass
 
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.hasher.hexdigest()
-
-
-class _Gunzipped:
+class _Gunzipped(_Hashed):
     """What a gzip layer decompresses to, hashed as it is handed on (the diff id)."""
 
     def __init__(self, source: BlobReader) -> None:
@@ -83,14 +92,6 @@ class _Gunzipped:
         data = self._gzip.read(min(size, 1 << 20))
         self.hasher.update(data)
         return memoryview(data)
-
-    def drain(self) -> None:
-        while self.view(1 << 20):
-            pass
-
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.hasher.hexdigest()
 
 
 class Content:
