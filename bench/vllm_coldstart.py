@@ -10,7 +10,8 @@ Stages, in order (each one's summary saved as it ends; ``--resume`` skips those 
 3. ``served_strict``: served with ``KERNELCACHE_STRICT=1`` (vLLM's monitor in ``error`` mode
    and, with FlashInfer, ``FLASHINFER_DISABLE_JIT=1``), the declared sweep and one outside it;
 4. ``served_real``: the same generation (warmed with ``loadFormat: dummy``) serving real
-   safetensors weights with ``load_format=auto`` (``--real-weights``);
+   safetensors weights with ``load_format=auto`` (``--real-weights``); with ``--load-format
+   auto`` every start, the compile Job's too, loads the real weights instead;
 5. ``served_less_memory``: another process holds GPU memory, so vLLM's startup plan does not
    fit: vLLM profiles, the start succeeds, kernelcache says so;
 6. the anchors, interleaved with served starts: ``anchor_first`` (vLLM alone, its own cache
@@ -24,6 +25,9 @@ Stages, in order (each one's summary saved as it ends; ``--resume`` skips those 
 Medians of ready and ready-minus-import (import alone is 10-15 s and noisy) go into
 ``summary``; ``--budget-seconds`` stops before a stage that would not fit (``--resume``
 continues).
+
+Before the stages, ``import``: where a bare ``import`` of vLLM's API server spends its time
+(``python -X importtime``), the part of every start no cache reaches.
 
     python bench/vllm_coldstart.py --model DIR --work SCRATCH --out RESULT.json [--flashinfer]
 """
@@ -100,7 +104,8 @@ _BREAKDOWN = (
     "Compiling a graph", "Directly load", "torch.compile took", "Memory profiling",
     "Graph capturing finished", "init engine", "JIT monitor activated", "kernelcache:",
     "Available KV cache", "startup plan", "Startup plan", "FlashInfer", "flashinfer",
-    "Using AttentionBackend", "backend", "MissingJITCacheError", "Error", "error",
+    "Using AttentionBackend", "backend", "MissingJITCacheError", "Error", "error", "spawn",
+    "multiprocessing",
 )  # fmt: skip
 
 
@@ -122,6 +127,7 @@ def summary(result: dict[str, Any], cold: dict[str, list] | None) -> dict[str, A
         shared = sorted(set(outputs) & set(cold))
         out["outputs_compared"] = len(shared)
         out["outputs_identical_to_cold"] = all(outputs[k] == cold[k] for k in shared)
+        out["differs_from_vllm_alone_first"] = [k for k in shared if outputs[k] != cold[k]]
     out["breakdown"] = [
         (t, line[:200]) for t, line in result.get("log", []) if any(w in line for w in _BREAKDOWN)
     ][:80]
@@ -153,6 +159,29 @@ def holding_gpu_memory(gib: float, flag: Path) -> subprocess.Popen:
     while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     return proc
+
+
+def import_profile(env: dict[str, str]) -> dict[str, Any]:
+    """``python -X importtime`` of vLLM's API server module: its total and the modules that
+    take longest with what they import (cumulative microseconds)."""
+    t = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import vllm.entrypoints.openai.api_server"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    rows = []
+    for line in proc.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), parts[2].rstrip()))
+    top = [name for name in rows if not name[1].startswith("   ")]  # the top-level imports
+    return {
+        "rc": proc.returncode,
+        "seconds": round(time.time() - t, 3),
+        "modules": len(rows),
+        "top_level": sorted(top, reverse=True)[:20],
+        "largest": sorted(rows, reverse=True)[:40],
+    }
 
 
 def medians(stages: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +221,9 @@ def main() -> int:
     parser.add_argument("--flashinfer", action="store_true", help="FLASHINFER backend+sampler")
     parser.add_argument("--sampler-only", action="store_true", help="FlashInfer sampler only")
     parser.add_argument("--real-weights", action="store_true", help="the model dir has them")
+    parser.add_argument("--load-format", default="dummy", choices=["dummy", "auto"],
+                        help="auto: every start loads the model dir's weights")  # fmt: skip
+    parser.add_argument("--skip", action="append", default=[], help="a stage not to run")
     parser.add_argument("--resume", action="store_true", help="skip the stages already saved")
     parser.add_argument("--budget-seconds", type=float, default=0, help="0: no limit")
     parser.add_argument("--hold-gib", type=float, default=4.0, help="served_less_memory")
@@ -205,10 +237,17 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     log = args.log or args.out.with_suffix(".log")
-    from kernelcache.toolchains.vllm import ENGINE_ENV, engine_job, outputs_digest
+    from kernelcache.toolchains.vllm import (
+        ENGINE_ENV,
+        differing_outputs,
+        engine_job,
+        output_digests,
+        outputs_digest,
+    )
 
     base = {**os.environ, **ENGINE_ENV}
-    workload = {**WORKLOAD, "model": str(args.model.absolute())}
+    workload = {**WORKLOAD, "model": str(args.model.absolute()), "loadFormat": args.load_format}
+    stages_skipped = set(args.skip)
     env_extra: dict[str, str] = {}
     if args.flashinfer or args.sampler_only:
         if not args.sampler_only:
@@ -229,6 +268,8 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=1, default=str))
 
     def fits(name: str) -> bool:
+        if name in stages_skipped:
+            return False
         need = STAGE_SECONDS.get(name, 120)
         left = args.budget_seconds - (time.monotonic() - begun)
         if args.budget_seconds and left < need:
@@ -241,6 +282,10 @@ def main() -> int:
     store, pod = work / "store", work / "pod"
     kc = [sys.executable, "-m", "kernelcache"]
     plain = {"engine": engine_args, "sweep": sweep, "runtime": "none", "preload": []}
+
+    if "import" not in stages and fits("import"):
+        stages["import"] = import_profile(base)
+        save()
 
     # 1. The compile Job.
     if "build" not in stages:
@@ -282,6 +327,14 @@ def main() -> int:
             return 1
     passes = stages["build"]["warmer"]["passes"]
     cold_digest = passes[0]["outputs_digest"]
+    cold_digests = passes[0].get("output_digests", {})
+
+    def compared(out: dict[str, Any], outputs: dict[str, Any]) -> dict[str, Any]:
+        """Shape by shape against the compile Job's cold pass (and, in ``summary``, against
+        vLLM alone's first start): which shapes answered otherwise."""
+        out["output_digests"] = output_digests(outputs)
+        out["differs_from_cold_pass"] = differing_outputs(outputs, cold_digests)
+        return out
 
     # 2. Another node, in effect: the warm's root is gone; the init-container's command.
     serve_env = {**base, "VLLM_CACHE_ROOT": str(root), "KERNELCACHE_ARCH": args.arch}
@@ -310,7 +363,7 @@ def main() -> int:
         before = files_under(root, pod)
         result = engine(work, name, env, job, log)
         result["new_files"] = len(files_under(root, pod) - before)
-        out = summary(result, cold)
+        out = compared(summary(result, cold), result.get("outputs") or {})
         declared = {f"{n}x{b}" for n in sweep["prompt_lengths"] for b in sweep["batch_sizes"]}
         got = {k: v for k, v in (result.get("outputs") or {}).items() if k in declared}
         if len(got) == len(declared):
@@ -323,7 +376,8 @@ def main() -> int:
     if "served_strict" not in stages and fits("served_strict"):
         served("served_strict", strict_env, {**served_job, "more_sweeps": [OUTSIDE]})
     # 4. Real weights from the model directory, from the generation warmed with dummy ones.
-    if args.real_weights and "served_real" not in stages and fits("served_real"):
+    real_weights = args.real_weights and args.load_format == "dummy"
+    if real_weights and "served_real" not in stages and fits("served_real"):
         real = {**served_job, "engine": {**served_job["engine"], "load_format": "auto"}}
         served("served_real", strict_env, real)
     # 5. A co-tenant holds GPU memory: the startup plan does not fit.
@@ -347,7 +401,7 @@ def main() -> int:
         anchor_env["PYTHONPATH"] = os.pathsep.join([str(package), base.get("PYTHONPATH", "")])
         anchor_env["FLASHINFER_DISABLE_JIT"] = "1"
     for name in ANCHORS:
-        if name in stages:
+        if name in stages or name in stages_skipped:
             continue
         if not fits(name):
             return 0
@@ -367,6 +421,7 @@ def main() -> int:
             stages[name]["outputs_digest_is_cold_pass"] = outputs_digest(got) == cold_digest
         else:
             stages[name] = summary(result, cold)
+        compared(stages[name], result.get("outputs") or {})
         save()
     # The served starts before the anchors are compared with vLLM's tokens now.
     results["done"] = True

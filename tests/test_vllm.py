@@ -232,9 +232,15 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     rc, result, log = drive(tmp_path, "strict", strict, runtime="serving")
     assert rc == 0 and result["monitor_mode"] == "error" and result["jit_events"] == [], log
     # Outputs are the cold engine's, the warm's first pass.
-    from kernelcache.toolchains.vllm import outputs_digest
+    from kernelcache.toolchains.vllm import differing_outputs, outputs_digest
 
-    assert outputs_digest(served["outputs"]) == recorded["passes"][0]["outputs_digest"]
+    cold = recorded["passes"][0]
+    assert outputs_digest(served["outputs"]) == cold["outputs_digest"]
+    assert differing_outputs(served["outputs"], cold["output_digests"]) == []
+    # A shape that answers otherwise is named, and only that one.
+    shape = sorted(served["outputs"])[0]
+    changed = {**served["outputs"], shape: [[0] * 4]}
+    assert differing_outputs(changed, cold["output_digests"]) == [shape]
 
 
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):

@@ -252,6 +252,7 @@ def pass_summary(result: dict[str, Any]) -> dict[str, Any]:
         cold_compiles=result["cold_compiles"],
         preload_seconds=result.get("preload_seconds", 0.0),
         outputs_digest=outputs_digest(result["outputs"]),
+        output_digests=output_digests(result["outputs"]),
     )
     return summary
 
@@ -261,6 +262,18 @@ def outputs_digest(outputs: Mapping[str, Any]) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def output_digests(outputs: Mapping[str, Any]) -> dict[str, str]:
+    """Each shape's tokens as a digest of its own, so that a start that answers otherwise
+    says which shapes differ (``<prompt length>x<batch size>``)."""
+    return {key: outputs_digest({key: tokens}) for key, tokens in sorted(outputs.items())}
+
+
+def differing_outputs(outputs: Mapping[str, Any], recorded: Mapping[str, str]) -> list[str]:
+    """The shapes both answered whose tokens are not the recorded ones."""
+    mine = output_digests(outputs)
+    return sorted(key for key in mine.keys() & recorded.keys() if mine[key] != recorded[key])
 
 
 def sweep_plan(workload: VllmWorkload) -> dict[str, Any]:
