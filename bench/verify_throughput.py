@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -78,22 +79,29 @@ def copy_tree(gen: Path, target: Path, key: str | None, workers: int) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the children waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed_copies(
     repeat: int, gen: Path, work: Path, workers: int
-) -> tuple[list[float], list[float]]:
-    """The times of ``cp -r`` and of verify + materialize over repeat rounds (after one
-    untimed), taken in turns, each into an empty place after the previous copy's dirty pages
-    were written back (untimed), so neither pays for the other's writeback."""
-    times: dict[str | None, list[float]] = {None: [], KEY: []}
+) -> dict[str | None, list[tuple[float, float]]]:
+    """(seconds, CPU seconds) of ``cp -r`` (key None) and of verify + materialize over
+    repeat rounds (after one untimed), taken in turns, each into an empty place after the
+    previous copy's dirty pages were written back (untimed), so neither pays for the
+    other's writeback."""
+    times: dict[str | None, list[tuple[float, float]]] = {None: [], KEY: []}
     for _ in range(repeat + 1):
         for key in times:
             shutil.rmtree(work / "copy", ignore_errors=True)
             os.sync()
-            start = time.perf_counter()
+            cpu, start = children_cpu(), time.perf_counter()
             copy_tree(gen, work / "copy", key, workers)
-            times[key].append(time.perf_counter() - start)
+            times[key].append((time.perf_counter() - start, children_cpu() - cpu))
     shutil.rmtree(work / "copy", ignore_errors=True)
-    return times[None][1:], times[KEY][1:]
+    return {key: runs[1:] for key, runs in times.items()}
 
 
 def machine(copies: Path) -> str:
@@ -154,10 +162,12 @@ def main() -> int:
         gen, count, total = publish_generation(Path(tmp), KEY, args.size_mb)
         files = sorted(str(p) for p in (gen / "files").rglob("*") if p.is_file())
         # In-process overhead of a child (interpreter start + import) is measured and removed.
+        cpu_before = children_cpu()
         startup = best_of(
             args.repeat,
             lambda: subprocess.run([sys.executable, "-c", "import kernelcache.store"], check=True),
         )
+        startup_cpu = (children_cpu() - cpu_before) / (args.repeat + 1)
         rows: list[tuple[str, float]] = []
         have_b3 = shutil.which("b3sum") is not None
         if have_b3:
@@ -193,8 +203,11 @@ def main() -> int:
         )
         work = Path(tempfile.mkdtemp(prefix="kc-copies-", dir=args.copy_to or tmp))
         where = machine(work)
-        cp_times, copy_times = timed_copies(args.repeat, gen, work, workers)
+        copies = timed_copies(args.repeat, gen, work, workers)
+        cp_times, copy_times = [t for t, _ in copies[None]], [t for t, _ in copies[KEY]]
         cp, materialized = min(cp_times), min(copy_times) - startup
+        cp_cpu = statistics.median(c for _, c in copies[None])
+        copy_cpu = statistics.median(c for _, c in copies[KEY]) - startup_cpu
         rows.append(("cp -r, 1 thread, no hash", cp))
         shutil.rmtree(work, ignore_errors=True)
         rows.append((f"kernelcache verify + materialize, {workers} threads", materialized))
@@ -218,6 +231,11 @@ def main() -> int:
     )
     print(
         f"  with the interpreter's start-up ({startup:.3f} s): {(materialized + startup) / cp:.2f}x"
+    )
+    print(
+        f"  CPU (user + system, median): cp -r {cp_cpu:.3f} s, verify + materialize "
+        f"{copy_cpu:.3f} s ({copy_cpu / cp_cpu:.2f}x; start-up's {startup_cpu:.3f} s removed): "
+        f"0.9x of cp -r needs {copy_cpu / cp_cpu / 0.9:.1f} cores busy on the copy for cp's one"
     )
     return 0
 

@@ -867,6 +867,24 @@ def test_materialize_refuses_a_directory_swapped_for_a_symlink(
     assert os.listdir(target) == []
 
 
+def test_materialize_names_a_file_whose_directory_went_missing(
+    store: Store, tmp_path: Path
+) -> None:
+    """A directory of the store removed after verify: the copy names its first file missing
+    (not the directory's errno), and nothing is materialized."""
+    publish(store, random_files(5))
+    gen_dir = store.current(KEY)
+    checked = verify(gen_dir, digests=False)
+    shutil.rmtree(gen_dir / "files" / "triton" / "abc")
+    target = tmp_path / "target"
+
+    with pytest.raises(IntegrityError) as err:
+        materialize(checked, target, workers=2)
+
+    assert str(err.value) == f"{gen_dir / 'files' / 'triton' / 'abc' / 'kernel.cubin'}: missing"
+    assert os.listdir(target) == []
+
+
 @contextmanager
 def umask(mask: int) -> Iterator[None]:
     old = os.umask(mask)

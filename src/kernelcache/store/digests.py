@@ -54,10 +54,9 @@ def _hash_fd(
 ) -> tuple[str, int]:
     """Digest a file from fd in one pass, handing each chunk to sink (a copy) as it goes.
 
-    A short read that reaches ``size_hint`` (the size fstat gave) ends the file without the
-    read that would return nothing: most files of a generation fit in one read. A file that
-    grew since shows as a size mismatch only if it was read past its size, but what was read
-    is then all that was hashed and handed on, so a copy still holds only checked bytes.
+    A short read that reaches ``size_hint`` (the size fstat gave) ends the file, saving the
+    read that would return nothing: most files of a generation fit in one read. A short read
+    before that size (a network filesystem may give one) does not.
     """
     # Files are hashed in parallel by the caller's pool; only a file big enough to keep several
     # cores busy on its own is hashed multithreaded (multithreading small updates costs more
