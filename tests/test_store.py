@@ -38,6 +38,7 @@ from kernelcache.store import (
     Store,
     digest_file,
     digest_tree,
+    digests,
     generate_keypair,
     generation_id,
     load_private_key,
@@ -45,7 +46,10 @@ from kernelcache.store import (
     materialize,
     verify,
 )
-from tests.conftest import publish_files
+from kernelcache.store.digests import _CHUNK as CHUNK
+from kernelcache.store.materialization import _BATCH_BYTES as BATCH_BYTES
+from kernelcache.store.materialization import _BATCH_FILES as BATCH_FILES
+from tests.conftest import publish_files, scaled
 
 KEY = "team/llama-70b/sm_90a"
 
@@ -764,6 +768,121 @@ def test_materialize_replaces_an_incomplete_copy(store: Store, tmp_path: Path) -
     out = materialize(verify(store.current(KEY)), tmp_path / "target")
     assert out == stale
     assert verify(out).ok
+
+
+def boundary_files(seed: int) -> dict[str, bytes]:
+    """Files on every edge of the copy's reads and tasks: empty, one byte, a read buffer
+    less one, exactly one, and one more, a task's size on each side, a directory of more
+    files than one task takes, a big file beside small ones, and nested directories whose
+    files sort between a sibling directory's."""
+    rng = random.Random(seed)
+    sizes = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7]
+    files = {f"edges/f{i}.bin": rng.randbytes(size) for i, size in enumerate(sizes)}
+    for i, size in enumerate([BATCH_BYTES - 1, BATCH_BYTES, BATCH_BYTES + 1]):
+        files[f"mixed/big{i}.so"] = rng.randbytes(size)
+        files[f"mixed/small{i}.json"] = rng.randbytes(rng.randint(1, 5000))
+    for i in range(BATCH_FILES + 40):
+        files[f"cute/k{i:04d}.o"] = rng.randbytes(rng.randint(0, 3000))
+    files["cute/sub/inner.o"] = rng.randbytes(900)
+    files["cute/sub/deeper/leaf.o"] = rng.randbytes(CHUNK + 3)
+    files["cute-dsl/after.o"] = rng.randbytes(17)
+    return files
+
+
+def test_materialize_writes_each_files_own_bytes_on_every_edge(
+    store: Store, tmp_path: Path
+) -> None:
+    """Files copied many to a task, through one reused read buffer: each copy holds its own
+    file's bytes (none of a file read before it), and a corrupted file in the middle of a
+    task is refused with the copy left as it was."""
+    files = boundary_files(2)
+    publish(store, files)
+    gen_dir = store.current(KEY)
+    checked = verify(gen_dir, digests=False)
+    target = tmp_path / "target"
+
+    out = materialize(checked, target, workers=3)
+
+    for rel, data in files.items():
+        assert (out / "files" / rel).read_bytes() == data, rel
+    assert verify(out).ok
+    bad = gen_dir / "files" / "cute" / f"k{BATCH_FILES // 2:04d}.o"
+    data = bytearray(bad.read_bytes() or b"\0")
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=re.escape(str(bad))):
+        materialize(checked, target, workers=3)
+    assert os.listdir(target) == [out.name]
+    assert verify(out).ok
+
+
+def test_materialize_copies_on_several_threads_at_once(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy runs on its pool: the first two writes wait for each other (a copy on one
+    thread would wait here until the barrier gives up, and fail)."""
+    publish(store, boundary_files(3))
+    checked = verify(store.current(KEY), digests=False)
+    barrier = threading.Barrier(2, timeout=scaled(60))
+    writers: set[int] = set()
+    calls = 0
+    lock = threading.Lock()
+    real_write_all = digests.write_all
+
+    def meeting_write_all(fd: int, data: bytes | memoryview) -> None:
+        nonlocal calls
+        with lock:
+            calls += 1
+            first_two = calls <= 2
+            writers.add(threading.get_ident())
+        if first_two:
+            barrier.wait()
+        real_write_all(fd, data)
+
+    monkeypatch.setattr(digests, "write_all", meeting_write_all)
+    out = materialize(checked, tmp_path / "target", workers=4)
+    assert len(writers) >= 2
+    assert verify(out).ok
+
+
+def test_materialize_refuses_a_directory_swapped_for_a_symlink(
+    store: Store, tmp_path: Path
+) -> None:
+    """A directory of the store replaced after verify by a symlink to a copy of itself
+    elsewhere (every byte the manifest's): refused, naming it, and nothing materialized."""
+    files = random_files(4)
+    publish(store, files)
+    gen_dir = store.current(KEY)
+    checked = verify(gen_dir, digests=False)
+    swapped = gen_dir / "files" / "cute" / "def"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(swapped, elsewhere)
+    shutil.rmtree(swapped)
+    swapped.symlink_to(elsewhere)
+    target = tmp_path / "target"
+
+    with pytest.raises(UnsafePathError, match=f"^{re.escape(str(swapped))}: is a symlink"):
+        materialize(checked, target, workers=2)
+
+    assert os.listdir(target) == []
+
+
+def test_materialize_names_a_file_whose_directory_went_missing(
+    store: Store, tmp_path: Path
+) -> None:
+    """A directory of the store removed after verify: the copy names its first file missing
+    (not the directory's errno), and nothing is materialized."""
+    publish(store, random_files(5))
+    gen_dir = store.current(KEY)
+    checked = verify(gen_dir, digests=False)
+    shutil.rmtree(gen_dir / "files" / "triton" / "abc")
+    target = tmp_path / "target"
+
+    with pytest.raises(IntegrityError) as err:
+        materialize(checked, target, workers=2)
+
+    assert str(err.value) == f"{gen_dir / 'files' / 'triton' / 'abc' / 'kernel.cubin'}: missing"
+    assert os.listdir(target) == []
 
 
 @contextmanager

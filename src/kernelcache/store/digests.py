@@ -41,10 +41,23 @@ class FileEntry:
     digest: str  # "blake3:<hex>"
 
 
+def chunk_buffer() -> bytearray:
+    """A read buffer for ``copy_file``, to reuse across the files one thread copies."""
+    return bytearray(_CHUNK)
+
+
 def _hash_fd(
-    fd: int, size_hint: int, sink: Callable[[memoryview], None] | None = None
+    fd: int,
+    size_hint: int,
+    sink: Callable[[memoryview], None] | None = None,
+    buf: bytearray | None = None,
 ) -> tuple[str, int]:
-    """Digest a file from fd in one pass, handing each chunk to sink (a copy) as it goes."""
+    """Digest a file from fd in one pass, handing each chunk to sink (a copy) as it goes.
+
+    A short read that reaches ``size_hint`` (the size fstat gave) ends the file, saving the
+    read that would return nothing: most files of a generation fit in one read. A short read
+    before that size (a network filesystem may give one) does not.
+    """
     # Files are hashed in parallel by the caller's pool; only a file big enough to keep several
     # cores busy on its own is hashed multithreaded (multithreading small updates costs more
     # in coordination than it gains).
@@ -52,7 +65,8 @@ def _hash_fd(
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big else 1)
     if sink is None and size_hint >= _MAP_FROM:
         return _hash_mapped(fd, hasher)
-    buf = bytearray(_BIG_CHUNK if big else _CHUNK)
+    if big or buf is None:
+        buf = bytearray(_BIG_CHUNK if big else _CHUNK)
     view = memoryview(buf)
     total = 0
     while n := os.readv(fd, [buf]):
@@ -61,6 +75,8 @@ def _hash_fd(
         if sink is not None:
             sink(chunk)
         total += n
+        if n < len(buf) and total >= size_hint:
+            break
     return "blake3:" + hasher.hexdigest(), total
 
 
@@ -154,14 +170,33 @@ def generation_id(stamp_digest: str, files: Iterable[FileEntry]) -> str:
     return hasher.hexdigest()[:_GENERATION_ID_CHARS]
 
 
-def copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
+def copy_file(
+    src: Path,
+    dst: Path,
+    durable: bool = True,
+    *,
+    buf: bytearray | None = None,
+    dirs: tuple[int, int] | None = None,
+) -> tuple[str, int]:
     """Copy src to a new file dst in one read, returning the digest of the bytes copied.
-    dst gets ``shareable_mode``, whatever src's mode and the umask."""
+    dst gets ``shareable_mode``, whatever src's mode and the umask.
+
+    ``buf``: a ``chunk_buffer`` to read small files into. ``dirs``: open descriptors of
+    src's and dst's directories, for a caller copying many files of one directory (each is
+    then opened by its name: no walk of the whole path per file); src and dst still name
+    the files in errors.
+    """
+    src_dir, dst_dir = dirs if dirs is not None else (None, None)
     with io_errors(src):
-        fd, st = open_regular(src)
+        fd, st = open_regular(src, src_dir)
     try:
         with io_errors(dst):
-            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            out = os.open(
+                dst if dst_dir is None else dst.name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dst_dir,
+            )
         try:
             with io_errors(dst):
                 os.fchmod(out, shareable_mode(st.st_mode))
@@ -171,7 +206,7 @@ def copy_file(src: Path, dst: Path, durable: bool = True) -> tuple[str, int]:
                     write_all(out, chunk)
 
             with io_errors(src):
-                digest, size = _hash_fd(fd, st.st_size, write)
+                digest, size = _hash_fd(fd, st.st_size, write, buf)
             if durable:
                 with io_errors(dst):
                     os.fsync(out)

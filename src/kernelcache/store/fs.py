@@ -115,10 +115,15 @@ def replace_synced(path: Path, data: bytes, tmp_prefix: str) -> None:
     fsync_dir(path.parent)
 
 
-def open_regular(path: Path) -> tuple[int, os.stat_result]:
-    """Open a regular file for reading without following a symlink or blocking on a FIFO."""
+def open_regular(path: Path, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading without following a symlink or blocking on a FIFO
+    (``dir_fd``: by its name in that open directory)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(
+            path if dir_fd is None else path.name,
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            dir_fd=dir_fd,
+        )
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(
@@ -130,6 +135,24 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise UnsafePathError(f"{path}: not a regular file", path=str(path))
     return fd, st
+
+
+@contextmanager
+def open_dir(path: Path) -> Iterator[int]:
+    """An open descriptor of a directory, refusing a symlink in its place."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        # O_DIRECTORY fails a symlink with ENOTDIR before O_NOFOLLOW could with ELOOP
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise UnsafePathError(
+                f"{path}: is a symlink (to {link_target(path)!r})", path=str(path)
+            ) from exc
+        raise storage_error(exc, path) from exc
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def read_regular(path: Path) -> bytes:
