@@ -759,8 +759,15 @@ from kernelcache import runtime
 from kernelcache.toolchains import toolchains
 r = runtime.install()
 print("ENV " + json.dumps({v: r.env.get(v) for t in toolchains() for v in t.cache_env}))
+import os
 from triton.runtime.cache import FileCacheManager
 FileCacheManager("kernel-the-generation-lacks").put(b"x", "k.bin")
+pointed, os.environ["TRITON_CACHE_DIR"] = os.environ["TRITON_CACHE_DIR"], sys.argv[2]
+try:  # why Triton is copied: on a read-only tree, a lookup of what it lacks raises
+    FileCacheManager("kernel-the-generation-lacks")
+except OSError as exc:
+    print("TRITON-ON-THE-MOUNT", exc.errno)
+os.environ["TRITON_CACHE_DIR"] = pointed
 import demo_serve
 sys.exit(demo_serve.main(["--workload", sys.argv[1]]))
 """
@@ -825,7 +832,7 @@ def test_image_mode_copies_only_what_toolchains_write_and_serves_cute_dsl_in_pla
     assert f"KERNELCACHE_IN_PLACE_DIR={mount}" in (emptydir / "kernelcache.env").read_text()
 
     env.update(KERNELCACHE_ENV_FILE=str(emptydir / "kernelcache.env"), KERNELCACHE_STRICT="1")
-    served = in_pod("-c", SERVE, json.dumps(SMALL_WORKLOAD))
+    served = in_pod("-c", SERVE, json.dumps(SMALL_WORKLOAD), f"{mount}/files/cute-dsl")
     assert served.returncode == 0, served.stdout + served.stderr
     pointed = json.loads(served.stdout.split("ENV ", 1)[1].splitlines()[0])
     assert pointed["KERNELCACHE_CUTE_DSL_DIR"] == f"{mount}/files/cute-dsl"
@@ -833,6 +840,8 @@ def test_image_mode_copies_only_what_toolchains_write_and_serves_cute_dsl_in_pla
     for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
         assert pointed[variable].startswith(f"{copy}/files/"), (variable, pointed)
     assert (copy / "files" / "triton" / "kernel-the-generation-lacks" / "k.bin").is_file()
+    refused = [line for line in served.stdout.splitlines() if line.startswith("TRITON-ON")]
+    assert refused in (["TRITON-ON-THE-MOUNT 30"], ["TRITON-ON-THE-MOUNT 13"]), refused
     line = served.stdout.strip().splitlines()[-1]
     ready = re.fullmatch(
         rf"(\d+) kernels ready in \S+ s from {mount}/files/cute-dsl: (\d+) loaded from cache, "
