@@ -826,6 +826,9 @@ def test_image_mode_copies_only_what_toolchains_write_and_serves_cute_dsl_in_pla
     assert (report["files_copied"], report["files_in_place"]) == (len(WRITABLE), len(kernels))
     assert report["in_place_dir"] == str(mount) and "from its image volume" in init.stdout
     copy = Path(report["dir"])
+    assert f"checked, {len(WRITABLE)} copied to {copy} and {len(kernels)} read in place " in (
+        init.stdout
+    )
     copied = sorted(p.relative_to(copy / "files").as_posix() for p in (copy / "files").rglob("*")
                     if p.is_file())  # fmt: skip
     assert copied == sorted(WRITABLE)  # every writable toolchain's tree, no kernel
@@ -900,3 +903,23 @@ def test_only_an_image_volume_is_read_in_place(shared: Path, tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "pod" / REPORT_FILE).read_text())
     assert report["files_in_place"] == 0 and report["files_copied"] == len(COMPILED) + len(TUNING)
+
+
+def test_a_serving_container_without_the_image_volume_refuses_to_start_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Its toolchains reading in place would find nothing: strict refuses at start-up, not
+    at the first kernel (a pod whose container does not mount the artifact where verify
+    checked it)."""
+    gen = publish(tmp_path / "built")
+    env = subprocess_env(KERNELCACHE_DIR=str(gen), KERNELCACHE_STRICT="1",
+                         KERNELCACHE_IN_PLACE_DIR=ARTIFACT_DIR)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", "from kernelcache.runtime import autoinstall; autoinstall()"],
+        env=env, capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+    assert done.returncode == ExitCode.IO, done.stderr
+    assert done.stderr.strip() == (
+        f"kernelcache: KERNELCACHE_IN_PLACE_DIR={ARTIFACT_DIR}: does not hold the generation at "
+        f"{gen} (mount its image volume in this container at that path)"
+    )

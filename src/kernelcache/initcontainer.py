@@ -155,7 +155,7 @@ class Outcome:
             "artifact": " from its image volume",
             "pull": " pulled by digest",
         }[self.source]
-        where = f"and materialized at {self.materialized}"
+        where = f" and materialized at {self.materialized}"
         if self.in_place_files:
             where = (
                 f", {self.copied} copied to {self.materialized} and {self.in_place_files} "
@@ -163,7 +163,7 @@ class Outcome:
             )
         return (
             f"{head}{len(self.manifest.files)} files, {self.manifest.total_bytes / 1e6:.1f} MB "
-            f"checked {where}{source} in {seconds:.2f} s"
+            f"checked{where}{source} in {seconds:.2f} s"
         )
 
     @property

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelcache import envfile
-from kernelcache.contract import CacheKey, Settings
+from kernelcache.contract import IN_PLACE_DIR, CacheKey, Settings
 from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
@@ -124,6 +124,7 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     config = runtime.config
     try:
         manifest = _read_manifest(directory)
+        _check_in_place(config.in_place_dir, directory)
         here = stamps.check_environment(manifest.stamp, manifest.generation, config.arch)
     except KernelCacheError as exc:
         metrics.record_verify_failure(exc.code.name.lower())
@@ -164,6 +165,26 @@ def _read_manifest(directory: Path) -> Manifest:
     except OSError as exc:
         raise StorageError(f"{path}: cannot read: {exc.strerror}", path=str(path)) from None
     return Manifest.parse(data, str(path))
+
+
+def _check_in_place(mount: Path | None, directory: Path) -> None:
+    """The mount that the toolchains reading in place are pointed at must hold the very
+    generation that the init-container verified there and copied the rest of: the same
+    manifest bytes (a container without the image volume mounted has none)."""
+    from kernelcache.store import MANIFEST_NAME
+
+    if mount is None:
+        return
+    try:
+        same = (mount / MANIFEST_NAME).read_bytes() == (directory / MANIFEST_NAME).read_bytes()
+    except OSError:
+        same = False
+    if not same:
+        raise StorageError(
+            f"{IN_PLACE_DIR.name}={mount}: does not hold the generation at {directory} (mount "
+            "its image volume in this container at that path)",
+            path=str(mount),
+        )
 
 
 def _set_default(runtime: Runtime, name: str, value: str) -> None:
