@@ -10,7 +10,8 @@ real registry (Debian's docker-registry, TLS and basic auth) between two cluster
 3. a node joins A later: its first pod waits for the node's copy and reads nothing else;
 4. cluster B, another API server and another kubelet (another store, no volume shared with
    A), consumes A's artifacts by digest in image-volume mode: no compile Job runs, the
-   kubelet mounts each artifact read-only, and a pod starts warm from it.
+   kubelet mounts each artifact read-only and noexec, and a pod starts warm from it, its
+   CuTe-DSL kernels read in place there.
 
 The module shares the registry and both clusters; each test is a step on what the previous
 left.
@@ -291,7 +292,16 @@ def test_cluster_b_consumes_a_by_digest_in_image_mode_and_a_pod_starts_warm(
     pod = serve(b, "default", "served", "warm-from-image-volume")
     init_log = started_warm(b, pod)
     assert "default/demo/sm_90a: generation" in init_log  # the building cluster's key
-    assert "from its image volume" in init_log, init_log
+    # Only CuTe-DSL kernels: none copied, every one loaded where the kubelet mounted it
+    # (read-only and noexec), in the serving container too.
+    assert " 0 copied to /kernelcache/" in init_log, init_log
+    assert " read in place from its image volume" in init_log, init_log
+    mount = "/var/lib/kernelcache-artifacts/sm_90a"
+    assert f" from {mount}/files/cute-dsl: " in b.logs(pod, "serve")
+    (serving,) = pod["spec"]["containers"]
+    assert {"name": "kernelcache-artifact-sm-90a", "mountPath": mount, "readOnly": True} in (
+        serving["volumeMounts"]
+    )
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["kernelcache-artifact-sm-90a"]["image"]["reference"] == built["sm_90a"]
     assert not [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]

@@ -5,10 +5,14 @@ tests/test_distribution_cluster.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +25,23 @@ from kernelcache.contract import LABEL_ARCH, LABEL_DIGEST, REPORT_FILE
 from kernelcache.controller import modes, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.manifests import compile_job, spec_digest
-from kernelcache.controller.webhook import apply_ops, mutate_pod
+from kernelcache.controller.webhook import Denied, apply_ops, mutate_pod
 from kernelcache.errors import ExitCode, SpecError, StorageError
 from kernelcache.spec import parse_kernelcache
 from kernelcache.store import Store
 from kernelcache.store.prefetched import find, read_wanted, reading
-from tests.conftest import kernelcache_doc, one_line_error, subprocess_env
-from tests.helpers.generations import ARCH, IMAGE, KEY, NAME, NS, PRODUCT, publish
+from tests.conftest import kernelcache_doc, one_line_error, scaled, subprocess_env
+from tests.helpers.generations import (
+    ARCH,
+    COMPILED,
+    IMAGE,
+    KEY,
+    NAME,
+    NS,
+    PRODUCT,
+    TUNING,
+    publish,
+)
 
 DIGEST = "sha256:" + "5e" * 32
 REF = f"registry.example.com/caches/demo@{DIGEST}"
@@ -658,3 +672,254 @@ def test_the_reconcile_keeps_a_daemonset_per_class_on_what_each_arch_serves() ->
     del spec["source"]["oci"]["artifacts"]["sm_120a"]
     (gone,) = reconcile()
     assert gone[0] == "delete" and gone[1] == changed[1]
+
+
+# --------------------------------------------------------------------------- image mode, in place
+
+ARTIFACT_DIR = "/var/lib/kernelcache-artifacts/sm_90a"
+# Each writable toolchain's files beside the CuTe-DSL kernels (which alone are read in place).
+WRITABLE = {
+    "triton/k3x/matmul.cubin": b"\x7fELF" + bytes(3000),
+    "triton/k3x/__grp__matmul.json": b'{"child_paths": {}}',
+    "inductor/fxgraph/ab/entry": b"graph",
+    "flashinfer/aot/decode/decode.so": b"\x7fELF" + bytes(500),
+    "vllm/torch_compile_cache/rank_0/model": b"artifact",
+}
+
+
+def test_image_mode_mounts_the_artifacts_in_serving_containers_where_verify_checked_them() -> None:
+    spec = injected(builder(), OperatorConfig(distribution_mode="image"))
+    (arch, where) = arg_values(init_of(spec), "--artifact")[0].split("=")
+    (serve,) = spec["containers"]
+    mounts = {m["mountPath"]: m for m in serve["volumeMounts"]}
+    # The env file names the mount (KERNELCACHE_IN_PLACE_DIR): it must be the same path here.
+    assert (arch, where) == ("sm_90a", ARTIFACT_DIR)
+    assert mounts[where] == {"name": "kernelcache-artifact-sm-90a", "mountPath": where,
+                             "readOnly": True}  # fmt: skip
+    env = {e["name"]: e["value"] for e in serve["env"]}
+    assert env["KERNELCACHE_ENV_FILE"] == "/kernelcache/kernelcache.env"
+    # Volume and pull mode: the serving container mounts the emptyDir alone.
+    for mode in ("volume", "pull"):
+        (other,) = injected(builder(), OperatorConfig(distribution_mode=mode))["containers"]
+        assert [m["mountPath"] for m in other["volumeMounts"]] == ["/kernelcache"], mode
+
+
+def test_a_serving_container_that_mounts_the_artifact_path_itself_is_refused() -> None:
+    doc, the_pod = builder(), pod()
+    the_pod["metadata"]["labels"]["kernelcache.dev/cache"] = doc["metadata"]["name"]
+    the_pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "own", "mountPath": ARTIFACT_DIR}]
+    with pytest.raises(Denied, match=f"container 'serve' mounts {ARTIFACT_DIR} already"):
+        mutate_pod(the_pod, doc, OperatorConfig(distribution_mode="image"))
+
+
+def the_world_is_unshareable() -> str | None:
+    for tool in ("unshare", "setpriv", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if os.geteuid() != 0:
+        return "needs root: a read-only, noexec bind mount and another user"
+    return None
+
+
+# Run by sh in a private mount namespace: the artifact becomes what the kubelet mounts for an
+# image volume (read-only, noexec, nosuid, nodev), then the command runs as the pod's user.
+IMAGE_VOLUME = r"""
+set -eu
+artifact=$1
+shift
+mount --bind "$artifact" "$artifact"
+mount -o remount,bind,ro,noexec,nosuid,nodev "$artifact"
+exec "$@"
+"""
+
+
+@functools.cache
+def pod_user() -> tuple[int, int]:
+    """The pod's uid and gid when this very interpreter runs as them (it may lie where only
+    root reads), else root's: the processes then run without any capability, which
+    permission bits and the read-only mount bind like any user."""
+    as_user = ["setpriv", "--reuid=65532", "--regid=65532", "--clear-groups"]
+    probe = [sys.executable, "-c", "import sys; print(sys.version)"]
+    done = subprocess.run([*as_user, *probe], capture_output=True, text=True, check=False)
+    return (65532, 65532) if done.stdout.strip() == sys.version else (0, 0)
+
+
+def as_pod_user() -> list[str]:
+    uid, gid = pod_user()
+    drop = ["setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
+    return [*drop, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
+# The serving process: the runtime as the webhook's env sets it up, then a Triton lookup of a
+# kernel the generation lacks (its cache manager makes the kernel's directory: a read-only
+# tree would raise), then the demo's kernels through the CuTe-DSL disk layer.
+SERVE = """
+import json, sys
+from kernelcache import runtime
+from kernelcache.toolchains import toolchains
+r = runtime.install()
+print("ENV " + json.dumps({v: r.env.get(v) for t in toolchains() for v in t.cache_env}))
+import os
+from triton.runtime.cache import FileCacheManager
+FileCacheManager("kernel-the-generation-lacks").put(b"x", "k.bin")
+pointed, os.environ["TRITON_CACHE_DIR"] = os.environ["TRITON_CACHE_DIR"], sys.argv[2]
+try:  # why Triton is copied: on a read-only tree, a lookup of what it lacks raises
+    FileCacheManager("kernel-the-generation-lacks")
+except OSError as exc:
+    print("TRITON-ON-THE-MOUNT", exc.errno)
+os.environ["TRITON_CACHE_DIR"] = pointed
+import demo_serve
+sys.exit(demo_serve.main(["--workload", sys.argv[1]]))
+"""
+
+
+@pytest.fixture
+def pod_dir() -> Iterator[Path]:
+    """A directory the pod's user reaches (pytest's own are private to root)."""
+    with tempfile.TemporaryDirectory(prefix="kernelcache-image-") as tmp:
+        os.chmod(tmp, 0o755)
+        yield Path(tmp)
+
+
+def artifact_of(gen: Path, mount: Path) -> Path:
+    """The generation as the kubelet unpacks an image volume: its files, nobody's to write."""
+    shutil.copytree(gen, mount)
+    for path in [mount, *mount.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    return mount
+
+
+def test_image_mode_copies_only_what_toolchains_write_and_serves_cute_dsl_in_place(
+    demo_build: Any, pod_dir: Path
+) -> None:
+    """The demo's real CuTe-DSL kernels with every writable toolchain's files, mounted as an
+    image volume is (read-only, noexec); init-container and serving process as the pod's user."""
+    if (reason := the_world_is_unshareable()) is not None:
+        pytest.skip(reason)
+    from kernelcache.store import Manifest
+    from tests.conftest import SMALL_WORKLOAD, publish_files
+
+    demo = demo_build.generation
+    built = Manifest.parse((demo / "MANIFEST.json").read_bytes(), "demo")
+    kernels = {e.path: (demo / "files" / e.path).read_bytes() for e in built.files}
+    assert kernels and all(p.startswith(("cute-dsl/", "cute-dsl-jit/")) for p in kernels)
+    store = Store(pod_dir / "built")
+    publish_files(store, demo_build.key, {**kernels, **WRITABLE}, built.stamp, built.report)
+    mount = artifact_of(store.current(demo_build.key) or Path(), pod_dir / "artifact")
+    emptydir, tmp = pod_dir / "kernelcache", pod_dir / "tmp"
+    for made in (emptydir, tmp):
+        made.mkdir()
+        os.chown(made, *pod_user())
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("KERNELCACHE_")}
+    env.update(HOME=str(tmp), TMPDIR=str(tmp), CUTE_DSL_ARCH="sm_90a")
+
+    def in_pod(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", IMAGE_VOLUME,
+                   "image-volume", str(mount), *as_pod_user(), sys.executable, *argv]  # fmt: skip
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(300))
+
+    init = in_pod("-m", "kernelcache", "verify", "--artifact", f"sm_90a={mount}",
+                  "--namespace", "default", "--name", "demo", "--arch", "sm_90a",
+                  "--materialize", str(emptydir))  # fmt: skip
+    assert init.returncode == 0, init.stderr
+    report = json.loads((emptydir / REPORT_FILE).read_text())
+    assert (report["files_copied"], report["files_in_place"]) == (len(WRITABLE), len(kernels))
+    assert report["in_place_dir"] == str(mount) and "from its image volume" in init.stdout
+    copy = Path(report["dir"])
+    assert f"checked, {len(WRITABLE)} copied to {copy} and {len(kernels)} read in place " in (
+        init.stdout
+    )
+    copied = sorted(p.relative_to(copy / "files").as_posix() for p in (copy / "files").rglob("*")
+                    if p.is_file())  # fmt: skip
+    assert copied == sorted(WRITABLE)  # every writable toolchain's tree, no kernel
+    assert f"KERNELCACHE_IN_PLACE_DIR={mount}" in (emptydir / "kernelcache.env").read_text()
+
+    env.update(KERNELCACHE_ENV_FILE=str(emptydir / "kernelcache.env"), KERNELCACHE_STRICT="1")
+    served = in_pod("-c", SERVE, json.dumps(SMALL_WORKLOAD), f"{mount}/files/cute-dsl")
+    assert served.returncode == 0, served.stdout + served.stderr
+    pointed = json.loads(served.stdout.split("ENV ", 1)[1].splitlines()[0])
+    assert pointed["KERNELCACHE_CUTE_DSL_DIR"] == f"{mount}/files/cute-dsl"
+    assert pointed["CUTE_DSL_CACHE_DIR"] == f"{mount}/files/cute-dsl-jit"
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+        assert pointed[variable].startswith(f"{copy}/files/"), (variable, pointed)
+    assert (copy / "files" / "triton" / "kernel-the-generation-lacks" / "k.bin").is_file()
+    refused = [line for line in served.stdout.splitlines() if line.startswith("TRITON-ON")]
+    assert refused in (["TRITON-ON-THE-MOUNT 30"], ["TRITON-ON-THE-MOUNT 13"]), refused
+    line = served.stdout.strip().splitlines()[-1]
+    ready = re.fullmatch(
+        rf"(\d+) kernels ready in \S+ s from {mount}/files/cute-dsl: (\d+) loaded from cache, "
+        r"0 compiled, 0 uncacheable",
+        line,
+    )
+    assert ready is not None and ready[1] == ready[2] != "0", line
+
+
+def test_in_place_files_are_digested_on_the_mount(tmp_path: Path) -> None:
+    """Not copied, so not hashed as they are copied: verify reads them where they are used."""
+    mount = tmp_path / "artifact"
+    shutil.copytree(publish(tmp_path / "built"), mount)
+    victim = mount / "files" / "cute-dsl" / "gemm_128x256.o"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 1
+    victim.write_bytes(bytes(data))
+    done = verify_artifact(mount, tmp_path / "pod", "--gpu-product", PRODUCT)
+    assert done.returncode == ExitCode.INTEGRITY, done.stderr
+    assert one_line_error(done).endswith(f"{victim}: digest mismatch")
+
+
+def verify_artifact(mount: Path, target: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kernelcache", "verify", "--artifact", f"{ARCH}={mount}",
+         "--namespace", NS, "--name", NAME, "--arch", ARCH, "--materialize", str(target),
+         *args],
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+
+
+def test_a_tuning_file_dropped_under_an_in_place_tree_makes_the_pod_copy_all(
+    tmp_path: Path,
+) -> None:
+    """The mount cannot leave out a file: where permissive drops another GPU's tuning that
+    lies in a tree read in place, that tree is copied too (and the rest), nothing in place."""
+    tuned = {**TUNING, "cute-dsl/gemm_128x256.best_config": b'{"num_warps": 4}'}
+    mount = tmp_path / "artifact"
+    shutil.copytree(publish(tmp_path / "built", files={**COMPILED, **tuned}), mount)
+    target = tmp_path / "pod"
+    done = verify_artifact(mount, target, "--gpu-product", "NVIDIA RTX 6000", "--policy",
+                           "permissive")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads((target / REPORT_FILE).read_text())
+    assert report["files_in_place"] == 0 and report["in_place_dir"] is None
+    copy = Path(report["dir"])
+    assert sorted(p.relative_to(copy / "files").as_posix() for p in (copy / "files").rglob("*")
+                  if p.is_file()) == sorted(COMPILED)  # fmt: skip
+    assert "KERNELCACHE_IN_PLACE_DIR" not in (target / "kernelcache.env").read_text()
+
+
+def test_only_an_image_volume_is_read_in_place(shared: Path, tmp_path: Path) -> None:
+    """The shared store (volume mode) is copied whole, as before: in-place reads are for a
+    mount the kubelet keeps read-only and unchanged for the pod's life."""
+    done, _ = verify(shared, "--materialize", tmp_path / "pod")
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "pod" / REPORT_FILE).read_text())
+    assert report["files_in_place"] == 0 and report["files_copied"] == len(COMPILED) + len(TUNING)
+
+
+def test_a_serving_container_without_the_image_volume_refuses_to_start_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Its toolchains reading in place would find nothing: strict refuses at start-up, not
+    at the first kernel (a pod whose container does not mount the artifact where verify
+    checked it)."""
+    gen = publish(tmp_path / "built")
+    env = subprocess_env(KERNELCACHE_DIR=str(gen), KERNELCACHE_STRICT="1",
+                         KERNELCACHE_IN_PLACE_DIR=ARTIFACT_DIR)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", "from kernelcache.runtime import autoinstall; autoinstall()"],
+        env=env, capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+    assert done.returncode == ExitCode.IO, done.stderr
+    assert done.stderr.strip() == (
+        f"kernelcache: KERNELCACHE_IN_PLACE_DIR={ARTIFACT_DIR}: does not hold the generation at "
+        f"{gen} (mount its image volume in this container at that path)"
+    )

@@ -16,6 +16,7 @@ from kernelcache import toolchains
 from kernelcache.runtime import metrics
 from kernelcache.spec import Warmer as WarmerSpec
 from kernelcache.store import Store
+from kernelcache.toolchains.base import Toolchain
 from kernelcache.toolchains.flashinfer import BuildLogTail
 from tests.conftest import subprocess_env
 
@@ -166,3 +167,19 @@ def test_a_short_cute_dsl_line_in_the_build_log_is_a_compile_in_serving_as_in_th
     before = metrics.cold_compiles().get(("flashinfer", "toolchains_test_moe/k0"), 0)
     tail.poll()
     assert metrics.cold_compiles().get(("flashinfer", "toolchains_test_moe/k0"), 0) == before + 1
+
+
+def test_a_tree_read_in_place_is_its_toolchains_alone_and_placed_by_none() -> None:
+    """Image mode leaves a toolchain's cache trees on the read-only mount only when it
+    declares that its serving side only reads them: each tree is one toolchain's, and one
+    read in place is never moved by ``place`` (which works on the copy)."""
+    owners: dict[str, list[str]] = {}
+    for toolchain in toolchains.toolchains():
+        for sub in toolchain.cache_env.values():
+            owners.setdefault(sub, []).append(toolchain.name)
+    assert {sub: names for sub, names in owners.items() if len(names) > 1} == {}
+    readers = [t for t in toolchains.toolchains() if t.reads_in_place]
+    assert all(type(t).place is Toolchain.place for t in readers)
+    assert toolchains.in_place_dirs() == {sub for t in readers for sub in t.cache_env.values()}
+    # Checked against what each library does on a read-only, noexec tree (docs/distribution.md):
+    assert [t.name for t in readers] == ["cute-dsl"]

@@ -180,6 +180,13 @@ DIR = Variable[Path | None](
     "the materialized generation (MANIFEST.json, files/); unset: count compiles only",
     _path,
 )
+IN_PLACE_DIR = Variable[Path | None](
+    "KERNELCACHE_IN_PLACE_DIR",
+    None,
+    "the verified generation on a read-only mount, which toolchains that only read their "
+    "files use in place (``Toolchain.reads_in_place``); unset: all from KERNELCACHE_DIR",
+    _path,
+)
 STRICT = Variable(
     "KERNELCACHE_STRICT",
     False,
@@ -288,6 +295,7 @@ class Settings:
     """Every ``KERNELCACHE_*`` setting, typed; ``from_env`` reads them all at once."""
 
     generation_dir: Annotated[Path | None, DIR] = DIR.default
+    in_place_dir: Annotated[Path | None, IN_PLACE_DIR] = IN_PLACE_DIR.default
     strict: Annotated[bool, STRICT] = STRICT.default
     env_file: Annotated[Path | None, ENV_FILE_PATH] = ENV_FILE_PATH.default
     runtime: Annotated[bool, RUNTIME] = RUNTIME.default

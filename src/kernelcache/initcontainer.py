@@ -14,7 +14,9 @@
    image), and the GPU product for autotune results (``--policy``; ``stamp_policy``).
 5. **Materialize** into the pod's emptyDir with every byte hashed as it is copied, the
    manifest and signature written from the bytes checked in 3 (an earlier run's copy is never
-   reused: the copy is made afresh), let each toolchain place or refuse the copy
+   reused: the copy is made afresh; from an image volume, the files of toolchains that only
+   read them are not copied but digested on the mount and used there,
+   ``KERNELCACHE_IN_PLACE_DIR``), let each toolchain place or refuse the copy
    (``Toolchain.place``: vLLM's cache to the absolute root it was built at, FlashInfer's
    modules checked against the warm's), and write ``kernelcache.env`` (what the serving
    container reads, ``envfile``) last, atomically.
@@ -66,7 +68,7 @@ from kernelcache.store import (
     prefetched,
     verify,
 )
-from kernelcache.toolchains import toolchains
+from kernelcache.toolchains import in_place_dirs, toolchains
 
 __all__ = [
     "Options",
@@ -132,6 +134,8 @@ class Outcome:
     dropped: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     placed: dict[str, Any] = field(default_factory=dict)  # the toolchains' (Toolchain.place)
+    in_place: Path | None = None  # the checked mount the files not copied are used from
+    in_place_files: int = 0
     source: str = "store"  # store | local (the node's prefetched copy) | artifact | pull
     waited_seconds: float = 0.0  # for the node's copy to land
 
@@ -143,7 +147,7 @@ class Outcome:
                 f"{head}{len(self.manifest.files)} files, {self.bytes_checked / 1e6:.1f} MB in "
                 f"{self.verify_seconds:.2f} s"
             )
-        # The digests were checked on the bytes as they were copied.
+        # The digests were checked on the bytes as they were copied, or on the mount.
         seconds = self.verify_seconds + self.materialize_seconds
         source = {
             "store": "",
@@ -151,10 +155,20 @@ class Outcome:
             "artifact": " from its image volume",
             "pull": " pulled by digest",
         }[self.source]
+        where = f" and materialized at {self.materialized}"
+        if self.in_place_files:
+            where = (
+                f", {self.copied} copied to {self.materialized} and {self.in_place_files} "
+                "read in place"
+            )
         return (
             f"{head}{len(self.manifest.files)} files, {self.manifest.total_bytes / 1e6:.1f} MB "
-            f"checked and materialized at {self.materialized}{source} in {seconds:.2f} s"
+            f"checked{where}{source} in {seconds:.2f} s"
         )
+
+    @property
+    def copied(self) -> int:
+        return len(self.manifest.files) - len(self.dropped) - self.in_place_files
 
 
 def run(
@@ -207,15 +221,23 @@ def _verify_and_materialize(
     found: _Found,
 ) -> Outcome:
     """Steps 3 to 5 on the generation found. ``key`` None: an artifact, whose manifest names
-    the key it was built for (another cluster's, perhaps); it must be of this node's arch."""
-    # Materializing hashes every byte it copies, so verify skips the digests then.
+    the key it was built for (another cluster's, perhaps); it must be of this node's arch.
+    From an image volume (read-only, immutable for the pod's life) the toolchains that only
+    read their files use them on the mount (``toolchains.in_place_dirs``): those are not
+    copied, and verify digests them there."""
+    readable = in_place_dirs() if found.source == "artifact" and target is not None else set()
+
+    def used_in_place(path: str) -> bool:
+        return path.partition("/")[0] in readable
+
+    # Materializing hashes every byte it copies, so verify digests only what it does not copy.
     result = verify(
         gen_dir,
         key=key,
         public_key=public_key,
         require_signature=options.require_signature,
         workers=options.workers,
-        digests=target is None,
+        digests=True if target is None else used_in_place,
     )
     result.raise_for_problems()
     manifest = result.manifest
@@ -252,8 +274,13 @@ def _verify_and_materialize(
     )
     if target is not None:
         started = time.monotonic()
+        leave = [e.path for e in manifest.files if used_in_place(e.path)]
+        if any(used_in_place(path) for path in dropped):
+            leave = []  # a mount cannot leave out a dropped file: copy it all (every byte hashed)
+        if leave:
+            outcome.in_place, outcome.in_place_files = gen_dir.absolute(), len(leave)
         outcome.materialized = materialize(
-            result, target, workers=options.workers, durable=False, drop=dropped
+            result, target, workers=options.workers, durable=False, drop=dropped, leave=leave
         )
         for toolchain in toolchains():
             outcome.placed.update(toolchain.place(outcome.materialized, manifest, dropped))
@@ -416,6 +443,9 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         "tuning_dropped": len(outcome.dropped),
         "dropped_files": outcome.dropped,
         "files": len(outcome.manifest.files) - len(outcome.dropped),
+        "files_copied": outcome.copied,
+        "files_in_place": outcome.in_place_files,
+        "in_place_dir": str(outcome.in_place) if outcome.in_place is not None else None,
         "bytes_checked": outcome.bytes_checked,
         "verify_seconds": round(outcome.verify_seconds, 3),
         "materialize_seconds": round(outcome.materialize_seconds, 3),
@@ -428,6 +458,8 @@ def _commit(target: Path, policy: str, outcome: Outcome) -> None:
         contract.NAME: CacheKey.parse(outcome.key).cache,
         contract.ARCH: outcome.arch,
     }
+    if outcome.in_place is not None:
+        values[contract.IN_PLACE_DIR] = str(outcome.in_place)
     envfile.write(target, values, report)
 
 

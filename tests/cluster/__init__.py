@@ -12,11 +12,11 @@ init-container meet as they do on a real cluster:
 - ``controllers``: Deployment, ReplicaSet, Job, DaemonSet (a pod per matching node, nodes
   read on every pass so one can join later), garbage collector and a scheduler;
 - ``kubelet``: image volumes (the image pulled by digest with skopeo and the pod's pull
-  secrets, its layers unpacked, mounted read-only) and ``hostPath`` (a disk per node);
-  every container from its pod spec as a host process, in a private mount
-  namespace: exact command, args and env (downward API filled in), volumes at their mount
-  paths in the kubelet's layout, the service-account token, runAsUser/runAsGroup/fsGroup,
-  a read-only root, and the base image's own user database;
+  secrets, its layers unpacked, mounted read-only and noexec as KEP-4639 asks) and
+  ``hostPath`` (a disk per node); every container from its pod spec as a host process, in a
+  private mount namespace: exact command, args and env (downward API filled in), volumes at
+  their mount paths in the kubelet's layout, the service-account token,
+  runAsUser/runAsGroup/fsGroup, a read-only root, and the base image's own user database;
 - ``images``: each image a virtual environment installed from a wheel built from exactly
   its Dockerfile's build context, with the extras its Dockerfile names.
 

@@ -69,7 +69,8 @@ def backoff(restarts: int) -> float:
 
 
 # Run by sh in the container's new mount namespace as root: build the root, then exec
-# "$@" (chroot, env, setpriv, the command). Mounts arrive as "kind source target ro" lines.
+# "$@" (chroot, env, setpriv, the command). Mounts arrive as "kind source target options"
+# lines (options: rw, or what the bind is remounted with: ro; ro,noexec,... for an image).
 SETUP = r"""
 set -eu
 root=$1 mounts=$2 readonly=$3 hostname=$4 tree=$5
@@ -95,7 +96,7 @@ while read -r kind source target ro; do
     if [ "$kind" = file ]; then mkdir -p "$(dirname "$root$target")"; touch "$root$target"
     else mkdir -p "$root$target"; fi
     mount --bind "$source" "$root$target"
-    if [ "$ro" = ro ]; then mount -o remount,bind,ro "$root$target"; fi
+    if [ "$ro" != rw ]; then mount -o "remount,bind,$ro" "$root$target"; fi
 done < "$mounts"
 if [ "$readonly" = 1 ]; then mount -o remount,ro "$root"; mount -o remount,ro "$root/dev"; fi
 exec chroot "$root" "$@"
@@ -609,13 +610,10 @@ class PodRunner(threading.Thread):
                 )
                 or (volume.get("persistentVolumeClaim") or {}).get("readOnly")
             )
+            # An image volume as runtimes mount it (KEP-4639): read-only and noexec.
+            options = "ro,noexec,nosuid,nodev" if "image" in volume else "ro" if read_only else "rw"
             rows.append(
-                (
-                    "file" if source.is_file() else "dir",
-                    str(source),
-                    mount["mountPath"],
-                    "ro" if read_only else "rw",
-                )
+                ("file" if source.is_file() else "dir", str(source), mount["mountPath"], options)
             )
         if SA_DIR in mounts:
             rows.append(("dir", str(mounts[SA_DIR]), SA_DIR, "ro"))

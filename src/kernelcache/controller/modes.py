@@ -11,7 +11,9 @@ init-container's arguments, mounts and the pod's volumes and pull secrets for th
 - ``image``: each arch's artifact (``repo@sha256:…``) as a Kubernetes image volume,
   read-only at ``/var/lib/kernelcache-artifacts/<arch>`` (``--artifact``); the kubelet
   pulls and checks it by digest with the pod's ``imagePullSecrets``. Every arch is mounted
-  (the pod is admitted before it is scheduled: its node's arch is not known yet).
+  (the pod is admitted before it is scheduled: its node's arch is not known yet), in the
+  init-container and, at the same path, in every serving container: the toolchains that
+  only read their files use them there, where the init-container verified them.
 - ``pull``: the init-container pulls this node's arch by digest (``--pull``), with the
   read secret mounted.
 - prefetch (on top of any mode, when ``prefetch_root`` is set): the node's root mounted
@@ -59,6 +61,7 @@ class Source:
     mounts: list[dict[str, Any]] = field(default_factory=list)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     pull_secrets: list[str] = field(default_factory=list)
+    serving_mounts: list[dict[str, Any]] = field(default_factory=list)  # every serving container's
 
 
 def mode_of(kc: KernelCache, config: OperatorConfig) -> Mode:
@@ -117,7 +120,9 @@ def serving_source(kc: KernelCache, config: OperatorConfig) -> Source:
             name = f"{ARTIFACT_VOLUME}-{_dns(arch)}"
             where = f"{ARTIFACT_DIR}/{arch}"
             source.args += ["--artifact", f"{arch}={where}"]
-            source.mounts.append({"name": name, "mountPath": where, "readOnly": True})
+            mount = {"name": name, "mountPath": where, "readOnly": True}
+            source.mounts.append(mount)
+            source.serving_mounts.append(dict(mount))
             image = {"reference": ref, "pullPolicy": "IfNotPresent"}
             source.volumes.append({"name": name, "image": image})
         if (secret := reader_secret(kc)) is not None:

@@ -15,7 +15,9 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
   signing enabled, the public key ``kernelcache.pub`` from the signing Secret (only that key
   is projected, so the pod never sees the private one) and ``--require-signature``;
 - the emptyDir ``kernelcache`` at ``/kernelcache``: written by the init-container, read-only
-  in every serving container;
+  in every serving container; in ``image`` mode each arch's image volume too, read-only at
+  the path the init-container verified it at (``modes``): the env file points the
+  toolchains that only read their files there (``KERNELCACHE_IN_PLACE_DIR``);
 - in every serving container: ``KERNELCACHE_RUNTIME=1``,
   ``KERNELCACHE_ENV_FILE=/kernelcache/kernelcache.env`` (what verify wrote: the generation
   directory, its name and arch; ``kernelcache.envfile``) and ``KERNELCACHE_STRICT``. A
@@ -395,10 +397,12 @@ def mutate_pod(
     _append(ops, spec, "/spec", "imagePullSecrets", _pull_secrets(spec, kc, config))
     env = serving_env(kc)
     mount = {"name": CACHE_VOLUME, "mountPath": CACHE_DIR, "readOnly": True}
+    mounts = [mount, *vllm_mounts(kc), *modes.serving_source(kc, config).serving_mounts]
     for i, container in serving:
-        if any(m.get("mountPath") == CACHE_DIR for m in container.get("volumeMounts") or []):
+        taken_paths = {m.get("mountPath") for m in container.get("volumeMounts") or []}
+        if clash := [m["mountPath"] for m in mounts if m["mountPath"] in taken_paths]:
             raise Denied(
-                f"pod {where}: container {container.get('name')!r} mounts {CACHE_DIR} already"
+                f"pod {where}: container {container.get('name')!r} mounts {clash[0]} already"
             )
         have = {e.get("name") for e in container.get("env") or []}
         _append(
@@ -408,7 +412,7 @@ def mutate_pod(
             "env",
             [e for e in env if e["name"] not in have],
         )
-        _append(ops, container, f"/spec/containers/{i}", "volumeMounts", [mount, *vllm_mounts(kc)])
+        _append(ops, container, f"/spec/containers/{i}", "volumeMounts", mounts)
     return ops
 
 

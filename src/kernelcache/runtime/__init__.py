@@ -10,9 +10,11 @@ the environment and then:
 2. lets each toolchain check the generation's layout (``Toolchain.check_generation``: vLLM's
    cache root holds the generation's files);
 3. sets each toolchain's serving environment (``Toolchain.serving_env``: its cache variables
-   at the generation's ``files/<subdir>``, its fixed settings, FlashInfer's arch list and,
-   in strict mode with AOT modules, ``FLASHINFER_DISABLE_JIT=1``), leaving any variable the
-   user already set alone (a default a toolchain wrote for itself does not count);
+   at the generation's ``files/<subdir>``, or, for a toolchain that only reads them, at the
+   verified read-only mount that ``KERNELCACHE_IN_PLACE_DIR`` names, its fixed settings,
+   FlashInfer's arch list and, in strict mode with AOT modules, ``FLASHINFER_DISABLE_JIT=1``),
+   leaving any variable the user already set alone (a default a toolchain wrote for itself
+   does not count);
 4. lets each toolchain hook itself when the application imports it
    (``Toolchain.observe``): the CuTe-DSL disk layer, Triton's compile listener and cache
    manager, dynamo/inductor compile callbacks and the torch Mega-Cache, a tail of
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelcache import envfile
-from kernelcache.contract import CacheKey, Settings
+from kernelcache.contract import IN_PLACE_DIR, CacheKey, Settings
 from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
@@ -51,7 +53,7 @@ from kernelcache.errors import (
 from kernelcache.runtime import metrics
 from kernelcache.runtime.metrics import serve_metrics
 from kernelcache.toolchains import toolchains
-from kernelcache.toolchains.base import Serving
+from kernelcache.toolchains.base import Serving, Toolchain
 
 if TYPE_CHECKING:
     from kernelcache.stamp import FactorDiff
@@ -107,7 +109,7 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     if files is not None:
         _point_caches(runtime, serving, files)
     for toolchain in toolchains():
-        toolchain.observe(serving)
+        toolchain.observe(_serving_for(toolchain, serving))
     if config.metrics_port:
         runtime.metrics_port = _serve(config)
     _installed = runtime
@@ -122,6 +124,7 @@ def _open_generation(runtime: Runtime, directory: Path) -> Path | None:
     config = runtime.config
     try:
         manifest = _read_manifest(directory)
+        _check_in_place(config.in_place_dir, directory)
         here = stamps.check_environment(manifest.stamp, manifest.generation, config.arch)
     except KernelCacheError as exc:
         metrics.record_verify_failure(exc.code.name.lower())
@@ -164,18 +167,59 @@ def _read_manifest(directory: Path) -> Manifest:
     return Manifest.parse(data, str(path))
 
 
+def _check_in_place(mount: Path | None, directory: Path) -> None:
+    """The mount that the toolchains reading in place are pointed at must hold the very
+    generation that the init-container verified there and copied the rest of: the same
+    manifest bytes (a container without the image volume mounted has none)."""
+    from kernelcache.store import MANIFEST_NAME
+
+    if mount is None:
+        return
+    try:
+        same = (mount / MANIFEST_NAME).read_bytes() == (directory / MANIFEST_NAME).read_bytes()
+    except OSError:
+        same = False
+    if not same:
+        raise StorageError(
+            f"{IN_PLACE_DIR.name}={mount}: does not hold the generation at {directory} (mount "
+            "its image volume in this container at that path)",
+            path=str(mount),
+        )
+
+
 def _set_default(runtime: Runtime, name: str, value: str) -> None:
     if name not in os.environ or any(t.holds_own_default(name) for t in toolchains()):
         os.environ[name] = value
         runtime.env[name] = value
 
 
+def _serving_for(toolchain: Toolchain, serving: Serving) -> Serving:
+    """What ``toolchain`` is handed: the generation's files/ on the read-only mount the
+    init-container verified and left them on (``KERNELCACHE_IN_PLACE_DIR``) when it only
+    reads them, else the copy."""
+    mount = serving.config.in_place_dir
+    if serving.files is None or mount is None or not toolchain.reads_in_place:
+        return serving
+    return replace(serving, files=mount / serving.files.name)  # files/ on the mount
+
+
 def _point_caches(runtime: Runtime, serving: Serving, files: Path) -> None:
+    in_place = []
     for toolchain in toolchains():
-        for name, value in toolchain.serving_env(serving, files).items():
+        own = _serving_for(toolchain, serving)
+        for name, value in toolchain.serving_env(own, own.files or files).items():
             _set_default(runtime, name, value)
+        if own.files != files:
+            in_place.append(toolchain.name)
     if runtime.env:
-        log.info("kernelcache: serving from %s (%s)", files.parent, ", ".join(sorted(runtime.env)))
+        log.info(
+            "kernelcache: serving from %s (%s)%s",
+            files.parent,
+            ", ".join(sorted(runtime.env)),
+            f"; {', '.join(in_place)} in place from {serving.config.in_place_dir}"
+            if in_place
+            else "",
+        )
 
 
 def _serve(config: Settings) -> int | None:

@@ -63,6 +63,7 @@ def materialize(
     *,
     durable: bool = True,
     drop: Collection[str] = (),
+    leave: Collection[str] = (),
 ) -> Path:
     """Copy a verified generation into target/<generation-id>/, and return that path.
 
@@ -71,7 +72,9 @@ def materialize(
     target/.partial-* directory with its .complete marker written last, and renamed into
     place only when complete, so an interrupted or failed copy never leaves anything that
     looks valid. ``drop``: files left out (tuning another GPU may not use); the copy is then
-    target/<generation-id>-untuned, never mistaken for the full one. ``durable=False`` skips
+    target/<generation-id>-untuned, never mistaken for the full one. ``leave``: files not
+    copied because they are used where they are (a read-only mount whose digests ``verify``
+    checked); the copy is then target/<generation-id>-writable. ``durable=False`` skips
     the fsyncs, for a target that does not outlive a crash anyway (a pod's emptyDir):
     syncing costs about as much as the copy itself.
     """
@@ -80,7 +83,7 @@ def materialize(
         raise ValueError(f"{checked.gen_dir}: materialize needs a generation that verified")
     target = Path(target).absolute()
     _check_target(target, checked.gen_dir)
-    name = f"{manifest.generation}-untuned" if drop else manifest.generation
+    name = manifest.generation + ("-untuned" if drop else "") + ("-writable" if leave else "")
     with io_errors(target):
         target.mkdir(parents=True, exist_ok=True)
     partial = target / f".partial-{secrets.token_hex(4)}"
@@ -92,7 +95,8 @@ def materialize(
         if checked.signature is not None:
             write_file_synced(partial / SIGNATURE_NAME, checked.signature)
         src_root, dst_root = checked.gen_dir / FILES_DIR, partial / FILES_DIR
-        entries = [e for e in manifest.files if e.path not in drop]
+        skipped = {*drop, *leave}
+        entries = [e for e in manifest.files if e.path not in skipped]
         dirs = make_dirs(dst_root, (e.path for e in entries))
 
         parallel(

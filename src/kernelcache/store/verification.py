@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def verify(
     public_key: PublicKeyLike | None = None,
     require_signature: bool = False,
     workers: int | None = None,
-    digests: bool = True,
+    digests: bool | Callable[[str], bool] = True,
 ) -> VerifyResult:
     """Check a generation against its manifest; content problems are returned, not raised.
 
@@ -108,6 +109,8 @@ def verify(
     nothing unlisted is in files/.
     ``digests=False`` skips only the digests, for a caller that materializes next:
     ``materialize`` checks every digest of the bytes it copies, so reading twice is waste.
+    A predicate digests the files (as named under files/) it holds for: those a caller
+    reads in place rather than copies.
     """
     started = time.monotonic()
     result = VerifyResult(Path(gen_dir), None, [], 0, 0.0)
@@ -124,7 +127,7 @@ def _verify_into(
     public_key: PublicKeyLike | None,
     require_signature: bool,
     workers: int | None,
-    digests: bool,
+    digests: bool | Callable[[str], bool],
 ) -> None:
     """The checks in order; one that leaves nothing further to trust ends the run."""
     gen_dir, problems = result.gen_dir, result.problems
@@ -155,8 +158,11 @@ def _verify_into(
         return
     on_disk, flagged = scanned
     to_digest = _size_problems(manifest, files_root, on_disk, flagged, problems)
-    if digests:
-        result.bytes_checked += _digest_problems(files_root, to_digest, workers, problems)
+    if callable(digests):
+        to_digest = [e for e in to_digest if digests(e.path)]
+    elif not digests:
+        to_digest = []
+    result.bytes_checked += _digest_problems(files_root, to_digest, workers, problems)
     problems.extend(_unlisted_problems(manifest, files_root, on_disk))
     # Last, so that an edited entry is reported by its file's name before this.
     if (altered := _content_problem(manifest, gen_dir / MANIFEST_NAME)) is not None:

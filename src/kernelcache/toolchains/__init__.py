@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cache_env",
+    "in_place_dirs",
     "is_tuning_file",
     "make_warmers",
     "serving_settings",
@@ -51,6 +52,13 @@ def toolchains() -> tuple[Toolchain, ...]:
 def cache_env() -> dict[str, str]:
     """Cache variable -> subdirectory of files/ it is pointed at, for every toolchain."""
     return {var: sub for t in toolchains() for var, sub in t.cache_env.items()}
+
+
+def in_place_dirs() -> frozenset[str]:
+    """The files/ subdirectories a serving pod may read in place from a read-only mount: those
+    of the cache variables of toolchains that only read them (``Toolchain.reads_in_place``).
+    Every other file is copied; a subdirectory is one toolchain's (``cache_env``)."""
+    return frozenset(sub for t in toolchains() if t.reads_in_place for sub in t.cache_env.values())
 
 
 def check_warmer_env(warmers: Sequence[WarmerSpec], source: str) -> None:

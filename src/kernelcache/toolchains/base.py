@@ -71,6 +71,11 @@ class Toolchain:
     # (distribution, module): what must install and import for its warmers and serving
     # (``kernelcache doctor`` checks it); None: nothing of its own.
     requires: tuple[str, str] | None = None
+    # True: its serving side only reads the subdirectories of its cache variables, and
+    # without mapping them executable, so it can use them in place on a read-only, noexec
+    # mount (an image volume). False (the default): they are copied where it can write,
+    # because it writes there on a hit, or a miss would fail instead of compiling.
+    reads_in_place: bool = False
 
     @property
     def label(self) -> str:

@@ -103,6 +103,11 @@ def on_event(kind: str, name: str, seconds: float | None) -> None:
 TOOLCHAIN = CuteDsl(
     name="cute-dsl",
     cache_env={CACHE_DIR_ENV: SUBDIR, "CUTE_DSL_CACHE_DIR": JIT_SUBDIR},
+    # A hit reads a kernel's .json and its .o, whose bytes the DSL links in memory (no
+    # mmap of the file: a noexec mount serves it); only a miss writes, and on a read-only
+    # tree it is compiled and then not persisted (a warning), as the DSL's own file cache
+    # does with an IR it cannot dump.
+    reads_in_place=True,
     warmers=(CuteDslWarmer,),
     requires=("nvidia-cutlass-dsl", "cutlass"),
 )

@@ -629,6 +629,8 @@ class FlashInfer(Toolchain):
 
 
 TOOLCHAIN = FlashInfer(
+    # Not read in place: its JIT takes a file lock in the workspace and runs ninja there even
+    # for a built module, and its AOT modules are dlopen'ed (an image volume is noexec).
     name="flashinfer",
     cache_env={"FLASHINFER_WORKSPACE_BASE": SUBDIR},
     tuning_prefixes=(f"{SUBDIR}/{TACTICS_SUBDIR}/",),  # the autotuner's tactics per product

@@ -398,6 +398,9 @@ class Inductor(Toolchain):
 
 
 TOOLCHAIN = Inductor(
+    # Not read in place: its file locks live in its cache directory (codecache's locks/), a
+    # hit writes the graph's module there when absent, its C++ kernels are dlopen'ed (an
+    # image volume is noexec) and its Triton kernels go through Triton's cache.
     name="inductor",
     cache_env={"TORCHINDUCTOR_CACHE_DIR": CACHE_SUBDIR},
     serving_settings={

@@ -383,6 +383,9 @@ class Triton(Toolchain):
 
 
 TOOLCHAIN = Triton(
+    # Not read in place: its FileCacheManager makes a kernel's directory at every lookup, so a
+    # miss on a read-only tree raises instead of compiling, and its launchers are dlopen'ed
+    # (an image volume is noexec).
     name="triton",
     cache_env={"TRITON_CACHE_DIR": SUBDIR},
     serving_settings={

@@ -991,6 +991,7 @@ class Vllm(Toolchain):
 
 
 TOOLCHAIN = Vllm(
+    # Not read in place: a warm start writes under its root (torch_aot_compile).
     name="vllm",
     cache_env={ENV: SUBDIR},
     # vLLM applies a startup plan only where its fingerprint (GPU name, total memory, ...)
