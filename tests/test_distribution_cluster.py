@@ -7,7 +7,10 @@ real registry (Debian's docker-registry, TLS and basic auth) between two cluster
 2. A runs node-local prefetch: a DaemonSet per GPU class pulls each arch onto its nodes
    (``status.nodes`` Ready), and a serving pod there starts warm with zero reads of the
    shared claim, counted by the kernel (inotify on every directory of it);
-3. a node joins A later: its first pod waits for the node's copy and reads nothing else;
+3. a node joins A later (an older generation's entry on its disk): its first pod waits for
+   the node's copy (the node's fetch is held until the pod has looked), then reads it and
+   nothing else; a node whose disk cannot hold a copy: each fetch fails with the disk's own
+   error, ``status.nodes`` says so, and between retries the disk holds nothing;
 4. cluster B, another API server and another kubelet (another store, no volume shared with
    A), consumes A's artifacts by digest in image-volume mode: no compile Job runs, the
    kubelet mounts each artifact read-only, and a pod starts warm from it;
@@ -30,6 +33,7 @@ import json
 import os
 import shlex
 import struct
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kernelcache.contract import OCI_ANNOTATION_GENERATION, OCI_ANNOTATION_LAYER
+from kernelcache.contract import OCI_ANNOTATION_GENERATION, OCI_ANNOTATION_LAYER, REPORT_FILE
 from kernelcache.controller.kube import kernelcache_path, path
 from kernelcache.controller.manifests import REGISTRY_CA_DIR, REGISTRY_DIR
 from kernelcache.errors import ExitCode
@@ -151,15 +155,17 @@ def submit(the: harness.Cluster, namespace: str, cache: str, name: str, **spec: 
     ok(the.kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(pod)))
 
 
+def finished(the: harness.Cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    """The pod, once it has ended (Succeeded or Failed); else None."""
+    got = the.pod(namespace, name)
+    return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+
 def serve(the: harness.Cluster, namespace: str, cache: str, name: str, **spec: Any) -> dict:
     """The example serving pod for ``cache``, run to its end."""
     submit(the, namespace, cache, name, **spec)
-
-    def finished() -> dict[str, Any] | None:
-        got = the.pod(namespace, name)
-        return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
-
-    return wait_until(finished, timeout=600, interval=1, what=f"pod {name} to finish")
+    return wait_until(lambda: finished(the, namespace, name), timeout=600, interval=1,
+                      what=f"pod {name} to finish")  # fmt: skip
 
 
 def started_warm(the: harness.Cluster, pod: dict[str, Any]) -> str:
@@ -239,9 +245,14 @@ def test_cluster_a_builds_and_pushes_each_arch_by_digest(a: harness.Cluster, reg
     assert a.api.denied == [] and a.errors == [], (a.api.denied, a.errors[-1:])
 
 
-def node_states(the: harness.Cluster) -> dict[tuple[str, str], str]:
+def node_rows(the: harness.Cluster) -> dict[tuple[str, str], dict[str, str]]:
+    """``status.nodes`` of the demo KernelCache, by (node, arch)."""
     status = kernelcache(the, "default", "demo").get("status") or {}
-    return {(n["node"], n["arch"]): n["phase"] for n in status.get("nodes") or []}
+    return {(n["node"], n["arch"]): n for n in status.get("nodes") or []}
+
+
+def node_states(the: harness.Cluster) -> dict[tuple[str, str], str]:
+    return {at: row["phase"] for at, row in node_rows(the).items()}
 
 
 def test_a_pod_on_a_prefetched_node_reads_nothing_of_the_shared_claim(a: harness.Cluster) -> None:
@@ -267,28 +278,108 @@ def test_a_pod_on_a_prefetched_node_reads_nothing_of_the_shared_claim(a: harness
 
 
 def test_a_node_that_joins_later_is_prefetched_and_its_first_pod_waits_for_it(
-    a: harness.Cluster,
+    a: harness.Cluster, registry: Any
 ) -> None:
+    """The node's DaemonSet pod is held (the registry's CA not there yet) until the serving
+    pod's init-container has looked for the node's copy and found none for what it serves
+    (only an older generation's entry): so the pod waits, then reads the copy and nothing
+    of the claim, whatever the order in which the two pods would have run."""
     claim = a.claim_dir("default", "kernelcache-demo")
-    reads = Reads(claim)
+    root = a.node_disk("a-h200-2") / PREFETCH_ROOT.lstrip("/")
+    entries = root / ".wanted" / "default" / "demo"
+    entries.mkdir(parents=True)
+    older = {"token": "0" * 32, "key": "default/demo/sm_90a", "generation": "0" * 32}
+    (entries / "sm_90a.json").write_text(json.dumps(older))
+    owner = (a.node_disk("a-h200-1") / PREFETCH_ROOT.lstrip("/") / ".wanted").stat()
+    for made in (root / ".wanted", root / ".wanted/default", entries, entries / "sm_90a.json"):
+        os.chown(made, owner.st_uid, owner.st_gid)  # as the prefetch user left them
+    a.kube.delete(path("v1", "configmaps", "default", "registry-ca"))
+    reads, looks = Reads(claim), Reads(entries)
     try:
         a.kube.create("/api/v1/nodes", harness.gpu_node("a-h200-2", *H200))
-        # Admitted at once: the node's DaemonSet pod and this one start together. (OnFailure:
-        # its init-container is retried until the operator's node map names the new node.)
+        # OnFailure: its init-container is retried until the operator's node map names the
+        # new node.
         selector = {"kubernetes.io/hostname": "a-h200-2"}
-        pod = serve(a, "default", "demo", "first-on-new-node", nodeSelector=selector,
-                    restartPolicy="OnFailure")  # fmt: skip
+        submit(a, "default", "demo", "first-on-new-node", nodeSelector=selector,
+               restartPolicy="OnFailure")  # fmt: skip
+        wait_until(looks.count, timeout=300, interval=0.5, what="the pod to look for its copy")
+        assert node_states(a).get(("a-h200-2", "sm_90a")) != "Ready"
+        apply(a, registry_objects(registry, "default")[1])  # the CA back: the fetch runs
+        pod = wait_until(lambda: finished(a, "default", "first-on-new-node"), timeout=600,
+                         interval=1, what="the first pod on the new node to finish")  # fmt: skip
         init_log = started_warm(a, pod)
         assert pod["spec"]["nodeName"] == "a-h200-2"
         assert "from this node's prefetched copy (waited" in init_log, init_log
         assert "reading it from its source instead" not in init_log
+        report = json.loads((a.runner(pod).dir / "volumes/kernelcache" / REPORT_FILE).read_text())
+        assert report["source"] == "local" and report["waited_seconds"] > 0, report
         assert reads.count() == 0
     finally:
         reads.close()
+        looks.close()
     wait_until(
         lambda: node_states(a).get(("a-h200-2", "sm_90a")) == "Ready",
         timeout=300, interval=1, what="the new node Ready in status.nodes",
     )  # fmt: skip
+
+
+def test_a_node_whose_disk_cannot_hold_a_copy_says_so_per_node_and_keeps_nothing_of_it(
+    a: harness.Cluster,
+) -> None:
+    """A real full disk: the node's prefetch root a tmpfs smaller than a generation. Each
+    fetch fails with the disk's own error, ``status.nodes`` names it, and between the
+    kubelet's retries the disk holds nothing: a failed fetch never leaves the disk full
+    under the pods running there."""
+    root = a.node_disk("a-h200-3") / PREFETCH_ROOT.lstrip("/")
+    root.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "kc-full", str(root)],
+                   check=True, timeout=30)  # fmt: skip
+    try:
+        a.kube.create("/api/v1/nodes", harness.gpu_node("a-h200-3", *H200))
+
+        def failed() -> dict[str, str] | None:
+            row = node_rows(a).get(("a-h200-3", "sm_90a")) or {}
+            return row if row.get("phase") == "Failed" else None
+
+        row = wait_until(failed, timeout=300, interval=1, what="the full node Failed")
+        assert row["message"].startswith("kernelcache: error:"), row
+        assert "No space left on device" in row["message"], row
+
+        def between_tries() -> tuple[list[str], int] | None:
+            """What the root holds, and its blocks in use, while no fetch runs on the node
+            (seen so before and after)."""
+            before = fetches(a, "a-h200-3")
+            held = sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+            disk = os.statvfs(root)
+            idle = before is not None and before == fetches(a, "a-h200-3")
+            return (held, disk.f_blocks - disk.f_bfree) if idle else None
+
+        held = wait_until(between_tries, timeout=300, interval=0.2, what="no fetch running")
+        assert held == ([], 0), held
+        assert node_states(a).get(("a-h200-1", "sm_90a")) == "Ready"  # other nodes: untouched
+    finally:
+        a.kube.delete(path("v1", "nodes", None, "a-h200-3"))
+        for pod in a.pods("default"):
+            if pod["spec"].get("nodeName") == "a-h200-3":
+                a.kube.delete(path("v1", "pods", "default", pod["metadata"]["name"]))
+        wait_until(lambda: not any(r.pod["spec"].get("nodeName") == "a-h200-3" and r.is_alive()
+                                   for r in a.kubelet.pods.values()),
+                   timeout=60, interval=0.2, what="the node's pods stopped")  # fmt: skip
+        subprocess.run(["umount", "--lazy", str(root)], check=True, timeout=30)
+
+
+def fetches(the: harness.Cluster, node: str) -> tuple[tuple[str, int], ...] | None:
+    """The node's prefetch containers, each as (pod uid, restarts), when none is running."""
+    found = []
+    for pod in the.pods("default", "app.kubernetes.io/component=prefetch"):
+        if pod["spec"].get("nodeName") != node:
+            continue
+        inits = (pod.get("status") or {}).get("initContainerStatuses") or []
+        fetch = next((c for c in inits if c["name"] == "prefetch"), None)
+        if fetch is None or "terminated" not in fetch["state"]:
+            return None
+        found.append((pod["metadata"]["uid"], fetch["restartCount"]))
+    return tuple(sorted(found)) or None
 
 
 # --------------------------------------------------------------------------- cluster B
@@ -506,9 +597,6 @@ def test_in_pull_mode_a_pod_whose_pull_secret_is_missing_waits_naming_it_then_st
     assert pod["status"]["phase"] == "Pending" and b.logs(pod, "kernelcache") == ""
     apply(b, pull_secret("regcred-late", registry.authfile))
 
-    def finished() -> dict[str, Any] | None:
-        got = b.pod("default", "waits-for-its-secret")
-        return got if got["status"].get("phase") in ("Succeeded", "Failed") else None
-
-    pod = wait_until(finished, timeout=600, interval=1, what="the pod to finish")
+    pod = wait_until(lambda: finished(b, "default", "waits-for-its-secret"), timeout=600,
+                     interval=1, what="the pod to finish")  # fmt: skip
     assert "pulled by digest" in started_warm(b, pod)
