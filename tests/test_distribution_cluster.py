@@ -213,15 +213,23 @@ class Reads:
 # --------------------------------------------------------------------------- cluster A
 
 
-def test_cluster_a_builds_and_pushes_each_arch_by_digest(a: harness.Cluster, registry: Any) -> None:
+def install_a(a: harness.Cluster, **prefetch: Any) -> None:
+    """A's chart: volume mode, the registry's CA, prefetch on (``prefetch`` adds values);
+    status (``status.nodes`` too) resynced every 5 s, not 30: the steps wait on it."""
+    values = {"enabled": True, "root": PREFETCH_ROOT, "waitSeconds": 600, **prefetch}
     harness.install_chart(
         a,
         NAMESPACE,
         {
             "distribution": {"mode": "volume", "registryCA": "registry-ca"},
-            "prefetch": {"enabled": True, "root": PREFETCH_ROOT, "waitSeconds": 600},
+            "prefetch": values,
+            "operator": {"resyncSeconds": 5},
         },
     )
+
+
+def test_cluster_a_builds_and_pushes_each_arch_by_digest(a: harness.Cluster, registry: Any) -> None:
+    install_a(a)
     apply(a, *registry_objects(registry, "default"))
     doc = yaml.safe_load(EXAMPLE.read_text())
     repository = registry.repo("caches/demo")
@@ -358,14 +366,44 @@ def test_a_node_whose_disk_cannot_hold_a_copy_says_so_per_node_and_keeps_nothing
         assert held == ([], 0), held
         assert node_states(a).get(("a-h200-1", "sm_90a")) == "Ready"  # other nodes: untouched
     finally:
-        a.kube.delete(path("v1", "nodes", None, "a-h200-3"))
-        for pod in a.pods("default"):
-            if pod["spec"].get("nodeName") == "a-h200-3":
-                a.kube.delete(path("v1", "pods", "default", pod["metadata"]["name"]))
-        wait_until(lambda: not any(r.pod["spec"].get("nodeName") == "a-h200-3" and r.is_alive()
-                                   for r in a.kubelet.pods.values()),
-                   timeout=60, interval=0.2, what="the node's pods stopped")  # fmt: skip
+        remove_node(a, "a-h200-3")
         subprocess.run(["umount", "--lazy", str(root)], check=True, timeout=30)
+
+
+def test_the_charts_limit_bounds_each_nodes_copies_a_fetch_that_cannot_fit_says_so(
+    a: harness.Cluster,
+) -> None:
+    """``prefetch.limitBytes`` lowered below one copy (the chart, the operator, the DaemonSet,
+    ``kernelcache prefetch --limit``): the copies the nodes hold stay (each is what the
+    KernelCache serves), and a node that joins then cannot keep one: its state names the
+    limit."""
+    install_a(a, limitBytes=1000)
+    try:
+        a.kube.create("/api/v1/nodes", harness.gpu_node("a-h200-4", *H200))
+
+        def failed() -> dict[str, str] | None:
+            row = node_rows(a).get(("a-h200-4", "sm_90a")) or {}
+            return row if row.get("phase") == "Failed" else None
+
+        row = wait_until(failed, timeout=300, interval=1, what="the new node Failed")
+        assert "does not fit the prefetch limit of 1000 bytes" in row["message"], row
+        wait_until(
+            lambda: node_states(a).get(("a-h200-1", "sm_90a")) == "Ready",
+            timeout=300, interval=1, what="the node holding its copy Ready again",
+        )  # fmt: skip
+    finally:
+        remove_node(a, "a-h200-4")
+
+
+def remove_node(the: harness.Cluster, node: str) -> None:
+    """The node deleted, and its pods with it (a node controller would), stopped."""
+    the.kube.delete(path("v1", "nodes", None, node))
+    for pod in the.pods("default"):
+        if pod["spec"].get("nodeName") == node:
+            the.kube.delete(path("v1", "pods", "default", pod["metadata"]["name"]))
+    wait_until(lambda: not any(r.pod["spec"].get("nodeName") == node and r.is_alive()
+                               for r in the.kubelet.pods.values()),
+               timeout=60, interval=0.2, what=f"the pods of {node} stopped")  # fmt: skip
 
 
 def fetches(the: harness.Cluster, node: str) -> tuple[tuple[str, int], ...] | None:

@@ -174,16 +174,13 @@ def serves_tls(port: int) -> bool:
 
 
 def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[str, Any]:
-    """``helm template`` the chart with ``values`` (plus one replica and free ports: pods
-    share the host's network) and apply it; returns the operator pod once its webhook
-    serves."""
+    """``helm template`` the chart with ``values`` (plus one replica and free ports, merged
+    into ``operator``: pods share the host's network) and apply it; returns the operator pod
+    once its webhook serves."""
     webhook = free_port()
-    values = {
-        "replicaCount": 1,
-        "operator": {"livenessPort": free_port(), "metricsPort": free_port()},
-        "webhook": {"port": webhook},
-        **values,
-    }
+    ports = {"livenessPort": free_port(), "metricsPort": free_port()}
+    operator = {**ports, **values.get("operator", {})}
+    values = {"replicaCount": 1, "webhook": {"port": webhook}, **values, "operator": operator}
     file = the.tmp / "values.yaml"
     file.write_text(yaml.safe_dump(values))
     rendered = subprocess.run(
