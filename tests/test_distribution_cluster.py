@@ -298,9 +298,10 @@ def test_a_node_that_joins_later_is_prefetched_and_its_first_pod_waits_for_it(
     entries.mkdir(parents=True)
     older = {"token": "0" * 32, "key": "default/demo/sm_90a", "generation": "0" * 32}
     (entries / "sm_90a.json").write_text(json.dumps(older))
-    owner = (a.node_disk("a-h200-1") / PREFETCH_ROOT.lstrip("/") / ".wanted").stat()
+    (daemonset, *_) = a.kube.list(path("apps/v1", "daemonsets", "default"))
+    user = daemonset["spec"]["template"]["spec"]["securityContext"]
     for made in (root / ".wanted", root / ".wanted/default", entries, entries / "sm_90a.json"):
-        os.chown(made, owner.st_uid, owner.st_gid)  # as the prefetch user left them
+        os.chown(made, user["runAsUser"], user["runAsGroup"])  # as the prefetch left them
     a.kube.delete(path("v1", "configmaps", "default", "registry-ca"))
     reads, looks = Reads(claim), Reads(entries)
     try:
