@@ -12,27 +12,33 @@ init-container meet as they do on a real cluster:
 - ``controllers``: Deployment, ReplicaSet, Job, DaemonSet (a pod per matching node, nodes
   read on every pass so one can join later), garbage collector and a scheduler;
 - ``kubelet``: image volumes (the image pulled by digest with skopeo and the pod's pull
-  secrets, its layers unpacked, mounted read-only and noexec as KEP-4639 asks) and
-  ``hostPath`` (a disk per node); every container from its pod spec as a host process, in a
-  private mount namespace: exact command, args and env (downward API filled in), volumes at
-  their mount paths in the kubelet's layout, the service-account token,
-  runAsUser/runAsGroup/fsGroup, a read-only root, and the base image's own user database;
+  secrets, its layers unpacked, mounted read-only and noexec as KEP-4639 asks),
+  ``hostPath`` (a disk per node), emptyDir, and Secret and ConfigMap volumes (one that does
+  not exist holds the pod, with a ``FailedMount`` event naming it, until it does);
+  every container from its pod spec as a host process, in a private mount
+  namespace: exact command, args and env (downward API filled in), volumes at their mount
+  paths in the kubelet's layout, the service-account token, runAsUser/runAsGroup/fsGroup,
+  a read-only root, and the base image's own user database;
 - ``images``: each image a virtual environment installed from a wheel built from exactly
   its Dockerfile's build context, with the extras its Dockerfile names.
 
 It does NOT play: a container runtime's isolation beyond the mount and UTS namespaces (pods
 share the host's network, PIDs and IPC: two pods must not listen on one port, so the tests
-give the chart free ports and one operator replica); CPU, memory, GPU devices (nodes have
-labels, no GPUs: a serving container is told its arch) and resource limits; image layers
-(the host's system directories stand for the base image, read-only; a writable root is a
-scratch tmpfs); probes (a pod is an endpoint once its containers run); graceful deletion,
-``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``, rolling updates; admission on
-anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity, quotas, schema
-validation (``kubectl --validate=false``); volume kinds other than emptyDir, claims,
-ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per claim,
-provisioned on its first mount); the kubelet refreshing mounted ConfigMaps in a running
-pod; ``kubectl logs`` and ``exec`` (``Cluster.logs`` reads a container's log instead);
-events from the kubelet. It needs root (mount namespaces, chroot, setuid), as the tests have on CI.
+give the chart free ports and one operator replica); cluster DNS, NetworkPolicy and egress
+rules (every pod reaches a registry on the host's loopback, by address); CPU, memory, GPU
+devices (nodes have labels, no GPUs: a serving container is told its arch) and resource
+limits; image layers (the host's system directories stand for the base image, read-only; a
+writable root is a scratch tmpfs); probes (a pod is an endpoint once its containers run);
+graceful deletion, ``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``, rolling updates;
+admission on anything but CREATE, ``namespaceSelector`` and ``matchPolicy``; PodSecurity,
+quotas, schema validation (``kubectl --validate=false``); volume kinds other than emptyDir,
+claims, ConfigMaps, Secrets, downward API, hostPath and image (a claim is a directory per
+claim, provisioned on its first mount; a Secret's files lie on the kubelet's disk, not on a
+tmpfs; ``imagePullSecrets`` serve image volumes only: containers' own images are never
+pulled); the kubelet refreshing mounted ConfigMaps in a running pod; ``kubectl logs`` and
+``exec`` (``Cluster.logs`` reads a container's log instead); events from the kubelet but a
+volume's ``FailedMount``. It needs root (mount namespaces, chroot, setuid), as the tests
+have on CI.
 """
 
 from __future__ import annotations
@@ -168,16 +174,13 @@ def serves_tls(port: int) -> bool:
 
 
 def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[str, Any]:
-    """``helm template`` the chart with ``values`` (plus one replica and free ports: pods
-    share the host's network) and apply it; returns the operator pod once its webhook
-    serves."""
+    """``helm template`` the chart with ``values`` (plus one replica and free ports, merged
+    into ``operator``: pods share the host's network) and apply it; returns the operator pod
+    once its webhook serves."""
     webhook = free_port()
-    values = {
-        "replicaCount": 1,
-        "operator": {"livenessPort": free_port(), "metricsPort": free_port()},
-        "webhook": {"port": webhook},
-        **values,
-    }
+    ports = {"livenessPort": free_port(), "metricsPort": free_port()}
+    operator = {**ports, **values.get("operator", {})}
+    values = {"replicaCount": 1, "webhook": {"port": webhook}, **values, "operator": operator}
     file = the.tmp / "values.yaml"
     file.write_text(yaml.safe_dump(values))
     rendered = subprocess.run(
