@@ -537,6 +537,62 @@ def test_registry_access_failures_are_one_io_line(
     assert says in one_line_error(refused)
 
 
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    with running_registry(tmp_path_factory.mktemp("token-registry"), token_auth=True) as running:
+        yield running
+
+
+def test_token_auth_push_and_pull_through_the_realm(
+    token_registry: Registry, tmp_path: Path
+) -> None:
+    """A registry with ``auth: token`` (Docker Hub's scheme, Harbor's, GitLab's): push with a
+    pull secret, pull with a docker config, each through the token service's realm; a pull
+    (scope ``pull``) then a push (``pull,push``) in one client; a wrong password is one line."""
+    registry, tokens = token_registry, token_registry.tokens
+    assert tokens is not None
+    secret = tmp_path / ".dockerconfigjson"
+    secret.write_text(json.dumps({"auths": {registry.host: {
+        "username": USER, "password": PASSWORD}}}))  # fmt: skip
+    publish(tmp_path / "source", files=files_of("token"))
+    pushed = push(
+        tmp_path / "source", KEY, registry.repo("kc/token"), auth=secret,
+        ca_file=registry.ca_file,
+    )  # fmt: skip
+    assert f"{USER} repository:kc/token:pull,push" in tokens.granted
+
+    config_dir = tmp_path / "docker"
+    config_dir.mkdir()
+    authfile(config_dir / "config.json", registry.host)
+    pulled = run_kernelcache(
+        "pull", pushed.ref_digest, "--store", str(tmp_path / "target"),
+        "--ca-file", str(registry.ca_file), DOCKER_CONFIG=str(config_dir),
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"{USER} repository:kc/token:pull" in tokens.granted
+    source, target = Store(tmp_path / "source"), Store(tmp_path / "target")
+    assert tree(target.current(KEY) / "files") == tree(source.current(KEY) / "files")
+
+    # One client that reads first (a token for ``pull``) and then writes: the registry
+    # asks for ``pull,push``, and the narrower token must not be offered again and again.
+    client = Client(Reference.parse(registry.repo("kc/token")), Credentials(USER, PASSWORD),
+                    registry.ca_file)  # fmt: skip
+    assert client.has_blob(pushed.digest) is False  # a manifest is not a blob: read only
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"written after a read")
+    client.upload_blob(blob, artifact.digest_of(blob.read_bytes()), blob.stat().st_size)
+    assert client.has_blob(artifact.digest_of(blob.read_bytes()))
+
+    wrong = authfile(tmp_path / "wrong.json", registry.host, password="nope")
+    refused = run_kernelcache(
+        "pull", pushed.ref_digest, "--store", str(tmp_path / "other"), "--authfile", str(wrong),
+        "--ca-file", str(registry.ca_file),
+    )  # fmt: skip
+    assert refused.returncode == ExitCode.IO, refused.stderr
+    assert "token service" in one_line_error(refused) and "refused" in one_line_error(refused)
+    assert not (tmp_path / "other").exists() or Store(tmp_path / "other").current(KEY) is None
+
+
 # --------------------------------------------------------------------------- a crash
 
 

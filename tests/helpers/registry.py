@@ -15,7 +15,7 @@ import json
 import subprocess
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from tests.conftest import system_tool
+from tests.helpers.token_service import ISSUER, SERVICE, TokenService, running_token_service
 
 USER, PASSWORD = "pusher", "s3cret-pw"
 
@@ -35,6 +36,7 @@ class Registry:
     ca_file: Path  # the CA the server certificate chains to (PEM)
     cert_dir: Path  # the same CA as skopeo's --cert-dir wants it (ca.crt)
     authfile: Path  # a docker config with the credentials
+    tokens: TokenService | None = None  # the token service, for a registry with token auth
 
     def repo(self, name: str) -> str:
         return f"{self.host}/{name}"
@@ -117,17 +119,38 @@ def authfile(path: Path, host: str, user: str = USER, password: str = PASSWORD) 
 
 
 @contextmanager
-def running_registry(folder: Path) -> Iterator[Registry]:
-    """Start ``docker-registry serve`` with TLS and basic auth; stop it on exit."""
+def running_registry(folder: Path, token_auth: bool = False) -> Iterator[Registry]:
+    """Start ``docker-registry serve`` with TLS and basic auth (htpasswd), or with
+    ``token_auth`` the token scheme against a token service started here
+    (``tests.helpers.token_service``: the same user and password); stop both on exit."""
+    with ExitStack() as stack:
+        yield stack.enter_context(_running(folder, stack, token_auth))
+
+
+@contextmanager
+def _running(folder: Path, stack: ExitStack, token_auth: bool) -> Iterator[Registry]:
     binary = system_tool("docker-registry")
-    htpasswd = system_tool("htpasswd")
     folder.mkdir(parents=True, exist_ok=True)
     ca_file, cert_file, key_file = _certificates(folder)
     cert_dir = folder / "certs.d"
     cert_dir.mkdir()
     (cert_dir / "ca.crt").write_bytes(ca_file.read_bytes())
-    users = folder / "htpasswd"
-    subprocess.run([htpasswd, "-Bbc", str(users), USER, PASSWORD], check=True, capture_output=True)
+    tokens: TokenService | None = None
+    if token_auth:
+        tokens = stack.enter_context(
+            running_token_service(folder, cert_file, key_file, {USER: PASSWORD})
+        )
+        auth: dict[str, object] = {"token": {
+            "realm": tokens.realm, "service": SERVICE, "issuer": ISSUER,
+            "rootcertbundle": str(tokens.cert_file),
+        }}  # fmt: skip
+    else:
+        users = folder / "htpasswd"
+        htpasswd = system_tool("htpasswd")
+        subprocess.run(
+            [htpasswd, "-Bbc", str(users), USER, PASSWORD], check=True, capture_output=True
+        )
+        auth = {"htpasswd": {"realm": "kernelcache-tests", "path": str(users)}}
     storage = folder / "storage"
     config = {
         "version": 0.1,
@@ -138,7 +161,7 @@ def running_registry(folder: Path) -> Iterator[Registry]:
             "secret": hashlib.sha256(str(folder).encode()).hexdigest(),
             "tls": {"certificate": str(cert_file), "key": str(key_file)},
         },
-        "auth": {"htpasswd": {"realm": "kernelcache-tests", "path": str(users)}},
+        "auth": auth,
     }
     config_file = folder / "config.yml"
     config_file.write_text(json.dumps(config))  # YAML is a superset of JSON
@@ -171,7 +194,8 @@ def running_registry(folder: Path) -> Iterator[Registry]:
         ready.wait(timeout=120)  # an event: the line, or the log closing when it exits
         assert listening, f"docker-registry did not start: {log.read_text()[-2000:]}"
         host = listening[0].split('"')[0]
-        yield Registry(host, storage, ca_file, cert_dir, authfile(folder / "auth.json", host))
+        credentials = authfile(folder / "auth.json", host)
+        yield Registry(host, storage, ca_file, cert_dir, credentials, tokens)
     finally:
         process.terminate()
         try:

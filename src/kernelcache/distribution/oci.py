@@ -145,7 +145,8 @@ def push(
     assert manifest is not None
     signer = private_key(signing_key)
     tag = reference.tag or manifest.generation
-    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
+    credentials = credentials_for(reference.registry, auth)
+    client = Client(reference, credentials, ca_file, actions="pull,push")
     with tempfile.TemporaryDirectory(prefix="kernelcache-push-") as scratch:
         layers = _build_layers(gen_dir, manifest, Path(scratch), signer, gzip, workers)
         config = artifact.image_config(manifest, [layer.diff_id for layer in layers])

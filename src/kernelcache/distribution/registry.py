@@ -53,9 +53,11 @@ class Client:
         ref: Reference,
         credentials: Credentials | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        actions: str = "pull",
     ) -> None:
         oras = _oras()
         self.ref = ref
+        self._actions = actions  # what a token registry is asked to grant: pull, or pull,push
         self._verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
         self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=self._verify)
         self._container = oras.container.Container(ref.name)
@@ -92,8 +94,10 @@ class Client:
 
     def _ensure_authenticated(self) -> None:
         """Pick oras-py's backend from the registry's challenge to ``/v2/``: a token service
-        (``Bearer``) is asked for a token with the credentials; a registry that asks for
-        ``Basic`` gets them on every request from the first."""
+        (``Bearer``) is asked for a token with the credentials, for the scope the client
+        needs from the start (a push's reads and writes one token, not a ``pull`` one
+        first); a registry that asks for ``Basic`` gets them on every request from the
+        first."""
         if self._authenticated:
             return
         with self._transport_errors():
@@ -101,7 +105,8 @@ class Client:
                 f"https://{self.ref.registry}/v2/", verify=self._verify
             )
         self._authenticated = True
-        basic = ping.headers.get("Www-Authenticate", "").lower().startswith("basic")
+        challenge = ping.headers.get("Www-Authenticate", "")
+        basic = challenge.lower().startswith("basic")
         if basic:
             if self._credentials is None:
                 raise StorageError(
@@ -117,6 +122,22 @@ class Client:
             )
             if basic:
                 self._registry.headers.update(self._registry.auth.get_auth_header())
+            elif challenge.lower().startswith("bearer"):
+                self._request_token(challenge)
+
+    def _request_token(self, challenge: str) -> None:
+        """A token for this repository and ``actions`` from the challenge's realm, through
+        oras-py's token flow; refused credentials are one line naming the realm."""
+        header = _oras().auth.utils.parse_auth_header(challenge)
+        header.scope = f"repository:{self.ref.repository}:{self._actions}"
+        with self._transport_errors():
+            token = self._registry.auth.request_token(header)
+        if not token:
+            raise StorageError(
+                f"{self.ref.registry}: its token service {header.realm} refused the "
+                f"credentials of {self._credentials.username if self._credentials else '?'}"
+            )
+        self._registry.auth.set_token_auth(token)
 
     def _check(self, response: Any, what: str) -> None:
         if response.status_code in (200, 201, 202):
@@ -198,16 +219,29 @@ def _unretried_registry(oras: Any) -> type:
     them, for any error: an unreachable registry took minutes to report). A pull that fails
     is retried by whoever runs it (the kubelet, the Job's backoff), at once and visibly.
     Every request carries the client's own headers (the basic credentials), which oras-py
-    adds to some requests only."""
+    adds to some requests only.
+
+    A token registry's 401 to a request made with a token asks for another one: a push's
+    first write needs scope ``pull,push`` where its reads got a token for ``pull``, and a
+    token expires (5 minutes is usual) during a long pull. oras-py offers the token it holds
+    once more and fails; this drops it and asks the realm for the scope now asked for."""
     unretried = oras.provider.Registry.do_request.__wrapped__
 
     class Registry(oras.provider.Registry):
         def do_request(
             self, url: str, method: str = "GET", *args: Any, headers: Any = None, **kwargs: Any
         ) -> Any:
-            return unretried(
-                self, url, method, *args, headers={**self.headers, **(headers or {})}, **kwargs
-            )
+            def send() -> Any:
+                return unretried(
+                    self, url, method, *args, headers={**self.headers, **(headers or {})}, **kwargs
+                )
+
+            response = send()
+            if response.status_code == 401 and getattr(self.auth, "token", None) is not None:
+                response.close()
+                self.auth.token = None
+                response = send()
+            return response
 
     return Registry
 
