@@ -83,7 +83,8 @@ def main() -> None:
                 f"generation: {files} files, {total / 1e9:.2f} GB, {pushed.layers} layers "
                 f"({pushed.bytes / 1e9:.2f} GB in the registry); push {push_s:.2f} s"
             )
-            env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+            path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+            env = {**os.environ, "PYTHONPATH": path}
             skopeo = [
                 "skopeo", "copy", "--src-cert-dir", str(registry.cert_dir),
                 "--src-creds", f"{USER}:{PASSWORD}", f"docker://{pushed.ref_digest}",
