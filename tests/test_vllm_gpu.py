@@ -52,6 +52,13 @@ CONFIGS = {
     ),
     "triton": ({**BASE, "loadFormat": "auto"}, {"VLLM_USE_FLASHINFER_SAMPLER": "0"}),
 }
+# The batch sizes whose tokens vLLM itself reproduces from one start to the next. With the
+# random safetensors weights, a batched request's greedy tokens change between any two starts
+# of vLLM alone (the compile Job's own two passes differed on 10 of the 12 batched shapes on
+# the H200, 2026-12-02): how the server's requests fall into engine steps decides near-tied
+# tokens. A request alone in the engine answers the same every time; dummy weights answer the
+# same in every shape.
+REPRODUCIBLE_BATCHES: dict[str, list[int]] = {"flashinfer": [1, 3, 16, 64], "triton": [1]}
 SWEEP: dict[str, Any] = {
     "prompt_lengths": [7, 100, 1000, 2000],
     "batch_sizes": [1, 3, 16, 64],
@@ -149,7 +156,12 @@ def test_served_strict_from_another_directory_meets_no_jit_and_answers_as_cold(b
     cold = json.loads(built["manifest"].read_text())["report"]["warmers"][0]["passes"][0]
     declared = {f"{n}x{b}" for n in SWEEP["prompt_lengths"] for b in SWEEP["batch_sizes"]}
     assert set(cold["output_digests"]) == declared
-    assert differing_outputs(result["outputs"], cold["output_digests"]) == []
+    batches = REPRODUCIBLE_BATCHES[built["config"]]
+    reproducible = {
+        k: v for k, v in cold["output_digests"].items() if int(k.split("x")[1]) in batches
+    }
+    assert len(reproducible) == len(SWEEP["prompt_lengths"]) * len(batches)
+    assert differing_outputs(result["outputs"], reproducible) == []
 
 
 def test_a_generation_warmed_with_dummy_weights_serves_real_ones_with_no_jit(built, tmp_path):
