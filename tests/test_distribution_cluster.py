@@ -562,7 +562,9 @@ FAULTS = {
     # Of the same classes: a pull secret for another registry only; an artifact without the
     # signature its KernelCache requires (A signs nothing).
     "other-registry": Fault(
-        "served-other-registry", ExitCode.IO, ("{host}", "asks for credentials and none were given")
+        "served-other-registry",
+        ExitCode.IO,
+        ("asks for credentials and none were given", "no entry for {host} in /"),
     ),
     "unsigned": Fault(
         "served-signed-only", ExitCode.SIGNATURE, ("{ref}", "unsigned: no signature under tag")

@@ -52,6 +52,17 @@ def credentials_for(
     return None
 
 
+def where_looked(registry: str, auth: AuthLike = None) -> str:
+    """Where credentials for ``registry`` were looked for, for the line that says none were
+    found: the file itself when there was one (in a pod, the mounted pull secret)."""
+    if isinstance(auth, Credentials):
+        return "credentials given"
+    path = Path(auth) if auth is not None else default_config()
+    if path is None:
+        return "no docker config (--authfile, DOCKER_CONFIG or ~/.docker/config.json)"
+    return f"no entry for {registry} in {path}"
+
+
 def default_config(environ: Mapping[str, str] | None = None) -> Path | None:
     """The docker config the environment names, when it exists: ``$DOCKER_CONFIG/config.json``
     (docker's own variable), else ``~/.docker/config.json``."""

@@ -39,7 +39,7 @@ from kernelcache import contract
 from kernelcache.contract import CacheKey
 from kernelcache.distribution import artifact
 from kernelcache.distribution.artifact import Descriptor, ImageManifest
-from kernelcache.distribution.auth import AuthLike, credentials_for
+from kernelcache.distribution.auth import AuthLike
 from kernelcache.distribution.reference import Reference
 from kernelcache.distribution.registry import Client
 from kernelcache.distribution.tarstream import Content, read_layer
@@ -145,8 +145,7 @@ def push(
     assert manifest is not None
     signer = private_key(signing_key)
     tag = reference.tag or manifest.generation
-    credentials = credentials_for(reference.registry, auth)
-    client = Client(reference, credentials, ca_file, actions="pull,push")
+    client = Client(reference, auth, ca_file, actions="pull,push")
     with tempfile.TemporaryDirectory(prefix="kernelcache-push-") as scratch:
         layers = _build_layers(gen_dir, manifest, Path(scratch), signer, gzip, workers)
         config = artifact.image_config(manifest, [layer.diff_id for layer in layers])
@@ -324,7 +323,7 @@ def _open(
     public = _public_key(public_key)
     if require_signature and public is None:
         raise SignatureError(f"{name}: a signature is required but no public key was given")
-    client = Client(reference, credentials_for(reference.registry, auth), ca_file)
+    client = Client(reference, auth, ca_file)
     data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
     if (served := artifact.digest_of(data)) != digest:
         raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")

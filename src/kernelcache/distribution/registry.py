@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kernelcache.distribution.auth import Credentials
+from kernelcache.distribution.auth import AuthLike, credentials_for, where_looked
 from kernelcache.distribution.reference import Reference
 from kernelcache.errors import (
     IntegrityError,
@@ -51,7 +51,7 @@ class Client:
     def __init__(
         self,
         ref: Reference,
-        credentials: Credentials | None = None,
+        auth: AuthLike = None,
         ca_file: str | os.PathLike[str] | None = None,
         actions: str = "pull",
     ) -> None:
@@ -61,7 +61,8 @@ class Client:
         self._verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
         self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=self._verify)
         self._container = oras.container.Container(ref.name)
-        self._credentials = credentials
+        self._credentials = credentials_for(ref.registry, auth)
+        self._looked = where_looked(ref.registry, auth)
         self._authenticated = False
 
     # ---------------------------------------------------------------- requests
@@ -111,7 +112,7 @@ class Client:
             if self._credentials is None:
                 raise StorageError(
                     f"{self.ref.registry}: asks for credentials and none were given "
-                    "(--authfile, DOCKER_CONFIG or ~/.docker/config.json)"
+                    f"({self._looked})"
                 )
             self._registry.auth = _oras().auth.get_auth_backend(
                 "basic", self._registry.session, tls_verify=self._verify
