@@ -845,16 +845,18 @@ def test_materialize_copies_on_several_threads_at_once(
     assert verify(out).ok
 
 
+@pytest.mark.parametrize("directory", ["cute/def", "cute"], ids=["its own", "one above it"])
 def test_materialize_refuses_a_directory_swapped_for_a_symlink(
-    store: Store, tmp_path: Path
+    store: Store, tmp_path: Path, directory: str
 ) -> None:
     """A directory of the store replaced after verify by a symlink to a copy of itself
-    elsewhere (every byte the manifest's): refused, naming it, and nothing materialized."""
+    elsewhere (every byte the manifest's), the files' own directory or one above it: refused,
+    naming it, and nothing materialized."""
     files = random_files(4)
     publish(store, files)
     gen_dir = store.current(KEY)
     checked = verify(gen_dir, digests=False)
-    swapped = gen_dir / "files" / "cute" / "def"
+    swapped = gen_dir / "files" / directory
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(swapped, elsewhere)
     shutil.rmtree(swapped)
@@ -976,3 +978,20 @@ def test_readers_do_not_block_while_a_writer_holds_the_lock(store: Store) -> Non
         assert not reader.is_alive(), "a reader blocked on the writer lock"
     assert time.monotonic() - started < 5
     assert seen == [store.key_dir(KEY) / manifest.generation, True, manifest]
+
+
+def test_materialize_names_the_whole_path_of_a_file_gone_after_verify(
+    store: Store, tmp_path: Path
+) -> None:
+    """A file removed after verify, opened by its name in its open directory: the error
+    still names it by its whole path, as missing."""
+    publish(store, random_files(5))
+    gen_dir = store.current(KEY)
+    checked = verify(gen_dir, digests=False)
+    gone = gen_dir / "files" / "triton" / "abc" / "kernel.cubin"
+    gone.unlink()
+
+    with pytest.raises(IntegrityError) as err:
+        materialize(checked, tmp_path / "target", workers=2)
+
+    assert str(err.value) == f"{gone}: missing"

@@ -35,7 +35,7 @@ pytestmark = [
 
 # bench/vllm_coldstart.py's traffic: on an H200 its prefills reach a fused-MoE kernel
 # specialization vLLM's own warm-up does not load (a smaller sweep may not).
-BASE = {
+BASE: dict[str, Any] = {
     "dtype": "bfloat16",
     "maxModelLen": 2048,
     "maxNumBatchedTokens": 2048,
@@ -58,7 +58,7 @@ CONFIGS = {
 # the H200, 2026-12-02): how the server's requests fall into engine steps decides near-tied
 # tokens. A request alone in the engine answers the same every time; dummy weights answer the
 # same in every shape.
-REPRODUCIBLE_BATCHES: dict[str, list[int]] = {"flashinfer": [1, 3, 16, 64], "triton": [1]}
+REPRODUCIBLE_BATCHES: dict[str, list[int]] = {"flashinfer": BASE["batchSizes"], "triton": [1]}
 SWEEP: dict[str, Any] = {
     "prompt_lengths": [7, 100, 1000, 2000],
     "batch_sizes": [1, 3, 16, 64],

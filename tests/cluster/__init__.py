@@ -198,7 +198,7 @@ def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[
         running = len(pods) == 1 and (pods[0].get("status") or {}).get("phase") == "Running"
         return pods[0] if running and serves_tls(webhook) else None
 
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + scaled(300)
     while (pod := serving()) is None:
         if time.monotonic() > deadline:
             raise AssertionError(f"the operator's webhook did not serve: {the.errors[-1:]}")

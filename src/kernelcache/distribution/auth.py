@@ -43,7 +43,7 @@ def credentials_for(
     """
     if isinstance(auth, Credentials):
         return auth
-    path = Path(auth) if auth is not None else default_config(environ)
+    path = _config_path(auth, environ)
     if path is None:
         return None
     for name, entry in _read_auths(path).items():
@@ -53,14 +53,18 @@ def credentials_for(
 
 
 def where_looked(registry: str, auth: AuthLike = None) -> str:
-    """Where credentials for ``registry`` were looked for, for the line that says none were
-    found: the file itself when there was one (in a pod, the mounted pull secret)."""
-    if isinstance(auth, Credentials):
-        return "credentials given"
-    path = Path(auth) if auth is not None else default_config()
+    """Where ``credentials_for`` looked and found none, for the line that says so: the file
+    itself when there was one (in a pod, the mounted pull secret)."""
+    path = None if isinstance(auth, Credentials) else _config_path(auth, None)
     if path is None:
         return "no docker config (--authfile, DOCKER_CONFIG or ~/.docker/config.json)"
     return f"no entry for {registry} in {path}"
+
+
+def _config_path(
+    auth: str | os.PathLike[str] | None, environ: Mapping[str, str] | None
+) -> Path | None:
+    return Path(auth) if auth is not None else default_config(environ)
 
 
 def default_config(environ: Mapping[str, str] | None = None) -> Path | None:

@@ -61,8 +61,8 @@ class Client:
         self._verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
         self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=self._verify)
         self._container = oras.container.Container(ref.name)
+        self._auth = auth
         self._credentials = credentials_for(ref.registry, auth)
-        self._looked = where_looked(ref.registry, auth)
         self._authenticated = False
 
     # ---------------------------------------------------------------- requests
@@ -112,7 +112,7 @@ class Client:
             if self._credentials is None:
                 raise StorageError(
                     f"{self.ref.registry}: asks for credentials and none were given "
-                    f"({self._looked})"
+                    f"({where_looked(self.ref.registry, self._auth)})"
                 )
             self._registry.auth = _oras().auth.get_auth_backend(
                 "basic", self._registry.session, tls_verify=self._verify

@@ -129,6 +129,7 @@ def open_regular(path: Path, dir_fd: int | None = None) -> tuple[int, os.stat_re
             raise UnsafePathError(
                 f"{path}: is a symlink (to {link_target(path)!r})", path=str(path)
             ) from exc
+        exc.filename = os.fspath(path)  # opened by its name in dir_fd: the whole path in errors
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -138,21 +139,39 @@ def open_regular(path: Path, dir_fd: int | None = None) -> tuple[int, os.stat_re
 
 
 @contextmanager
-def open_dir(path: Path) -> Iterator[int]:
-    """An open descriptor of a directory, refusing a symlink in its place."""
+def open_dir(root: Path, relative: str) -> Iterator[int]:
+    """An open descriptor of ``root/relative``, each of its components opened in the one
+    before it and refused if a symlink stands there: a directory swapped for a symlink after
+    it was checked, at any depth, is never followed."""
+    fd = _open_dir_at(root, root, None)
+    path = root
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for part in filter(None, relative.split("/")):
+            path = path / part
+            parent, fd = fd, -1
+            try:
+                fd = _open_dir_at(path, part, parent)
+            finally:
+                os.close(parent)
+        yield fd
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _open_dir_at(path: Path, name: str | Path, dir_fd: int | None) -> int:
+    try:
+        return os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
     except OSError as exc:
         # O_DIRECTORY fails a symlink with ENOTDIR before O_NOFOLLOW could with ELOOP
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
             raise UnsafePathError(
                 f"{path}: is a symlink (to {link_target(path)!r})", path=str(path)
             ) from exc
+        exc.filename = os.fspath(path)  # opened by its name in dir_fd: the whole path in errors
         raise storage_error(exc, path) from exc
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def read_regular(path: Path) -> bytes:

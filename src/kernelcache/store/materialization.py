@@ -154,10 +154,10 @@ def _parent(entry: FileEntry) -> str:
 def _copy_batch(batch: list[FileEntry], src_root: Path, dst_root: Path, durable: bool) -> None:
     """Copy a run of one directory's files (``_batches``), each hashed as it is copied and
     refused unless its size and digest are the manifest's."""
-    src_dir, dst_dir = src_root / _parent(batch[0]), dst_root / _parent(batch[0])
+    parent = _parent(batch[0])
     buf = chunk_buffer()
     try:
-        with open_dir(src_dir) as src_fd, open_dir(dst_dir) as dst_fd:
+        with open_dir(src_root, parent) as src_fd, open_dir(dst_root, parent) as dst_fd:
             for entry in batch:
                 src = src_root / entry.path
                 try:
@@ -174,8 +174,9 @@ def _copy_batch(batch: list[FileEntry], src_root: Path, dst_root: Path, durable:
                     )
                 if digest != entry.digest:
                     raise IntegrityError(f"{src}: digest mismatch", path=str(src))
-    except StorageError as exc:
-        if exc.path == str(src_dir) and isinstance(exc.__cause__, FileNotFoundError):
+    except StorageError as exc:  # a directory of the store's went missing after verify
+        missing = isinstance(exc.__cause__, FileNotFoundError)
+        if missing and exc.path is not None and Path(exc.path).is_relative_to(src_root):
             src = src_root / batch[0].path
             raise IntegrityError(f"{src}: missing", path=str(src)) from exc
         raise
