@@ -29,6 +29,7 @@ from kernelcache.controller import manifests, metrics, webhook
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
+    ConflictError,
     Reconciled,
     reconcile_kernelcache,
 )
@@ -159,7 +160,11 @@ def node_changed(type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
 def reconcile(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     """Bring a KernelCache's claim, spec ConfigMap and compile Jobs in line; write status;
     give its namespace the node map its serving pods read."""
-    _post(reconcile_kernelcache(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+    try:
+        reconciled = reconcile_kernelcache(memo.kube, CONFIG, dict(body), _jobs_of(kwargs))
+    except ConflictError as exc:  # other writers kept winning: kopf retries, one line said
+        raise kopf.TemporaryError(str(exc), delay=1) from exc
+    _post(reconciled)
     publish_node_map(memo.kube, body["metadata"]["namespace"], _nodes_of(kwargs), memo.node_maps)
 
 
@@ -168,7 +173,10 @@ def job_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: An
     """A compile Job started, finished or failed: reconcile its KernelCache."""
     if type is None:
         return  # the initial listing: resuming each KernelCache covers it
-    _post(reconcile_job_owner(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+    try:
+        _post(reconcile_job_owner(memo.kube, CONFIG, dict(body), _jobs_of(kwargs)))
+    except ConflictError as exc:  # an event is not retried: the resync timer reconciles it
+        logger.warning("%s; the next resync reconciles it", exc)
 
 
 @kopf.on.event("", "v1", "secrets")
