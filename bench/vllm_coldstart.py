@@ -112,6 +112,7 @@ _BREAKDOWN = (
 def summary(result: dict[str, Any], cold: dict[str, list] | None) -> dict[str, Any]:
     keys = (
         "rc", "failed", "import_seconds", "ready_seconds", "torch_compile_seconds",
+        "coverage_seconds",
         "first_generate_seconds", "sweep_seconds", "monitor_mode", "preload_seconds",
         "sweep_error", "compiled_by_toolchain", "new_files", "startup_plan", "processes",
         "flashinfer_modules", "flashinfer_builds", "server_exit",
@@ -132,6 +133,19 @@ def summary(result: dict[str, Any], cold: dict[str, list] | None) -> dict[str, A
         (t, line[:200]) for t, line in result.get("log", []) if any(w in line for w in _BREAKDOWN)
     ][:80]
     return out
+
+
+def versions() -> dict[str, str]:
+    """The engine's and its compilers' versions, recorded beside the figures."""
+    from importlib import metadata
+
+    found = {"python": sys.version.split()[0]}
+    for name in ("vllm", "torch", "triton", "flashinfer-python", "kernelcache"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def jit_cache_package(target: Path, aot: Path) -> Path:
@@ -227,6 +241,9 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="skip the stages already saved")
     parser.add_argument("--budget-seconds", type=float, default=0, help="0: no limit")
     parser.add_argument("--hold-gib", type=float, default=4.0, help="served_less_memory")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=WORKLOAD["gpuMemoryUtilization"]
+    )
     args = parser.parse_args()
     begun = time.monotonic()
     work = args.work.absolute()
@@ -246,7 +263,12 @@ def main() -> int:
     )
 
     base = {**os.environ, **ENGINE_ENV}
-    workload = {**WORKLOAD, "model": str(args.model.absolute()), "loadFormat": args.load_format}
+    workload = {
+        **WORKLOAD,
+        "model": str(args.model.absolute()),
+        "loadFormat": args.load_format,
+        "gpuMemoryUtilization": args.gpu_memory_utilization,
+    }
     stages_skipped = set(args.skip)
     env_extra: dict[str, str] = {}
     if args.flashinfer or args.sampler_only:
@@ -260,7 +282,8 @@ def main() -> int:
     engine_args, sweep = job["engine"], job["sweep"]
     stages: dict[str, Any] = results.setdefault("stages", {})
     results.update(workload=workload, env=env_extra, started=results.get("started") or
-                   time.strftime("%FT%TZ"))  # fmt: skip
+                   time.strftime("%FT%TZ"), model_config=json.loads(
+                       (args.model / "config.json").read_text()), versions=versions())  # fmt: skip
     cold_path = work / "cold-outputs.json"
 
     def save() -> None:  # after every stage: a run cut short still says what it measured

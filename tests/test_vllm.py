@@ -144,12 +144,14 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     manifest = json.loads(built["manifest"].read_text())
     report = manifest["report"]["warmers"][0]
     first, last = report["passes"][0], report["passes"][-1]
-    assert not first["serving"] and {e["kernel"] for e in first["jit_events"]} == {
-        "fused_moe_kernel[BLOCK_SIZE_M=128,div16=False]",
-        "fused_moe_kernel[BLOCK_SIZE_M=128,div16=True]",
-    }
+    # The first pass enumerated the fused-MoE coverage before vLLM's monitor armed: its sweep
+    # met no kernel that coverage did not load (without it, the prefills' kernels JIT).
+    assert not first["serving"] and first["jit_events"] == []
+    assert first["cold_compiles"]["triton/fused_moe_kernel"] > 0
     assert last["serving"] and last["jit_events"] == [] and last["cold_compiles"] == {}
-    assert report["preload_sizes"] == sorted({e["tokens"] for e in first["jit_events"]})
+    assert last["coverage_seconds"] is not None  # the later pass replayed it, as serving does
+    assert report["coverage"]["fused_moe"].startswith("12 specializations from 6 token counts")
+    assert report["preload_sizes"] == []
     # Each pass was vllm serve: the monitor armed in the engine core, not the API server.
     for one in report["passes"]:
         assert [p["server"] for p in one["processes"] if p["armed"]] == [False]
@@ -161,7 +163,7 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     assert stamp["vllm/model"] == str(MODEL)
     assert stamp["vllm/install"] == str(FAKE_VLLM)
     paths = {f["path"] for f in manifest["files"]}
-    assert "vllm-warmup/sizes.json" in paths
+    assert {"vllm-warmup/sizes.json", "vllm-warmup/coverage.json"} <= paths
     assert any(p.endswith("cache_key_factors.json") for p in paths)
     assert not any(p.endswith(".kernelcache-vllm-root") for p in paths)
     # vLLM's startup plan, recorded by the compile Job, kept as GPU-product tuning.
@@ -202,6 +204,8 @@ def served_env(built, pod, **extra):
 
 
 ERROR_MODE = {"model": str(MODEL), "max_num_batched_tokens": 512, "jit_monitor_mode": "error"}
+# Shapes outside the declared sweep: token counts its prefills and decodes never had.
+OUTSIDE = {"prompt_lengths": [1, 33, 77, 250, 511], "batch_sizes": [2, 5, 7], "max_tokens": 3}
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -217,6 +221,7 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     rc, served, log = drive(tmp_path, "served", serving, runtime="serving", engine=ERROR_MODE)
     assert rc == 0 and served["sweep_error"] is None, log
     assert served["jit_events"] == [] and served["monitor_mode"] == "error"
+    assert served["coverage_seconds"] is not None and served["cold_compiles"] == {}
     [engine] = [p for p in served["processes"] if p["armed"]]
     assert engine["pid"] != served["server_pid"] and not engine["server"]
     assert [p["server"] for p in served["processes"] if not p["armed"]] == [True]
@@ -226,11 +231,12 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     # The same engine on the same restored cache, without kernelcache's runtime: vLLM's
     # own warm-up leaves the prefill kernels to the first request, and error mode kills it.
     rc, plain, _ = drive(tmp_path, "plain", serving, engine=ERROR_MODE)
-    assert rc == 1 and "fused_moe_kernel[BLOCK_SIZE_M=128" in plain["sweep_error"]
-    # Strict reaches the engine core: vLLM's error mode whatever the engine was given.
+    assert rc == 1 and "JIT compilation during inference: fused_moe_kernel[" in plain["sweep_error"]
+    # Strict: the coverage check before ready, and the engine's own monitor mode after it.
     strict = {**serving, "KERNELCACHE_STRICT": "1"}
-    rc, result, log = drive(tmp_path, "strict", strict, runtime="serving")
-    assert rc == 0 and result["monitor_mode"] == "error" and result["jit_events"] == [], log
+    rc, result, log = drive(tmp_path, "strict", strict, runtime="serving", more_sweeps=[OUTSIDE])
+    assert rc == 0 and result["monitor_mode"] == "warn" and result["jit_events"] == [], log
+    assert result["cold_compiles"] == {} and result["sweep_error"] is None
     # Outputs are the cold engine's, the warm's first pass.
     from kernelcache.toolchains.vllm import differing_outputs, outputs_digest
 

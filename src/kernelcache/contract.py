@@ -257,6 +257,13 @@ VLLM_SIZES = Variable[tuple[int, ...] | None](
     "token counts run before vLLM's JIT monitor arms, instead of the generation's (the warm)",
     _sizes,
 )
+VLLM_COVERAGE = Variable[str | None](
+    "KERNELCACHE_VLLM_COVERAGE",
+    None,
+    "a fused-MoE coverage file replayed before vLLM's JIT monitor arms instead of the "
+    "generation's (the warm's later passes), or `enumerate` (the warm's first pass)",
+    _text,
+)
 VLLM_STATE_DIR = Variable[Path | None](
     "KERNELCACHE_VLLM_STATE_DIR",
     None,
@@ -316,6 +323,7 @@ class Settings:
     progress: Annotated[bool, PROGRESS] = PROGRESS.default
     vllm_sizes: Annotated[tuple[int, ...] | None, VLLM_SIZES] = VLLM_SIZES.default
     vllm_state_dir: Annotated[Path | None, VLLM_STATE_DIR] = VLLM_STATE_DIR.default
+    vllm_coverage: Annotated[str | None, VLLM_COVERAGE] = VLLM_COVERAGE.default
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
     cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
     started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default

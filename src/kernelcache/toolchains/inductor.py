@@ -53,7 +53,7 @@ from types import ModuleType
 from typing import Any
 
 from kernelcache.errors import ColdCompileError, WarmError
-from kernelcache.runtime import metrics
+from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains import triton
 from kernelcache.toolchains.base import (
@@ -351,7 +351,7 @@ def _refuse_fx_graph_misses(codecache: Any) -> None:
 
     def load_with_key(*args: Any, **kwargs: Any) -> Any:
         graph, info = lookup(*args, **kwargs)
-        if graph is None and info.get("cache_state") == "miss":
+        if graph is None and info.get("cache_state") == "miss" and ready.refusing(True):
             _frame.refused = True
             where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the default inductor cache")
             raise ColdCompileError(

@@ -32,7 +32,8 @@ def engine_core(conn: Any, args: argparse.Namespace) -> None:
 
     root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT", "~/.cache/vllm")))
     workers = [
-        Worker(args.model, root, args.dtype, rank, args.tensor_parallel_size)
+        Worker(args.model, root, args.dtype, rank, args.tensor_parallel_size,
+               args.max_num_batched_tokens)
         for rank in range(args.tensor_parallel_size)
     ]
     try:

@@ -2,18 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.utils import jit_monitor
-
-# Kernels loaded in this process (Triton's in-memory cache is per process, not per rank).
-LOADED: set[str] = set()
-
-
-def kernel_for(num_tokens: int) -> str:
-    block = 16 if num_tokens <= 64 else 128
-    return f"fused_moe_kernel[BLOCK_SIZE_M={block},div16={num_tokens % 16 == 0}]"
-
 
 class GPUModelRunner:
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
         self._forward(scheduler_output.total_num_scheduled_tokens)
 
@@ -23,7 +16,10 @@ class GPUModelRunner:
         self._forward(num_tokens)
 
     def _forward(self, num_tokens: int) -> None:
-        kernel = kernel_for(num_tokens)
-        if kernel not in LOADED:
-            LOADED.add(kernel)
-            jit_monitor.on_kernel_load(kernel)
+        """Every MoE layer of the model on ``num_tokens`` tokens (kernels load once)."""
+        from vllm.model_executor.layers.fused_moe import kernels_for, load
+
+        context = self.vllm_config.compilation_config.static_forward_context
+        for name in self.vllm_config.compilation_config.static_all_moe_layers:
+            for kernel in kernels_for(num_tokens, context[name].moe_config):
+                load(kernel)

@@ -3,8 +3,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.startup_plan import maybe_apply_startup_plan, maybe_save_startup_plan
@@ -15,11 +16,51 @@ log = logging.getLogger("vllm.worker")
 @dataclass
 class _ModelConfig:
     model: str
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class _CompilationConfig:
+    static_forward_context: dict[str, Any] = field(default_factory=dict)
+    static_all_moe_layers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int = 256
+
+
+@dataclass
+class _ParallelConfig:
+    tensor_parallel_size: int
 
 
 @dataclass
 class _VllmConfig:
     model_config: _ModelConfig
+    compilation_config: _CompilationConfig
+    scheduler_config: _SchedulerConfig
+    parallel_config: _ParallelConfig
+
+
+def moe_layers(model: str, config: _VllmConfig) -> None:
+    """The model's MoE layers (its config.json), registered as vLLM registers them."""
+    import torch
+    from vllm.model_executor.layers.fused_moe import FusedMoEConfig, MoERunner
+
+    c = json.loads((Path(model) / "config.json").read_text())
+    moe = FusedMoEConfig(
+        num_experts=c["num_experts"],
+        experts_per_token=c["num_experts_per_tok"],
+        hidden_dim=c["hidden_size"],
+        intermediate_size=c["moe_intermediate_size"],
+        in_dtype=torch.bfloat16,
+    )
+    for layer in range(c["num_hidden_layers"]):
+        name = f"model.layers.{layer}.mlp.experts"
+        config.compilation_config.static_forward_context[name] = MoERunner(name, moe)
+        config.compilation_config.static_all_moe_layers.append(name)
 
 
 @dataclass
@@ -35,17 +76,31 @@ class _Snapshot:
 class Worker:
     CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-    def __init__(self, model: str, root: Path, dtype: str, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        model: str,
+        root: Path,
+        dtype: str,
+        rank: int = 0,
+        world_size: int = 1,
+        max_num_batched_tokens: int = 2048,
+    ):
         self.dtype, self.rank, self.world_size = dtype, rank, world_size
-        self.vllm_config = _VllmConfig(_ModelConfig(model))
+        self.vllm_config = _VllmConfig(
+            _ModelConfig(model),
+            _CompilationConfig(),
+            _SchedulerConfig(max_num_batched_tokens),
+            _ParallelConfig(world_size),
+        )
+
         self.cache_config = _CacheConfig()
         free_gib = float(os.environ.get("FAKE_VLLM_FREE_GIB", "139.29"))
         self.init_snapshot = _Snapshot(int(free_gib * 2**30))
         self.root = root
-        self.model_runner = GPUModelRunner()
+        self.model_runner = GPUModelRunner(self.vllm_config)
 
     def load_model(self) -> None:
-        pass
+        moe_layers(self.vllm_config.model_config.model, self.vllm_config)
 
     def load_or_compile(self) -> bool:
         """True when the cache was there; a cache written at another root crashes."""

@@ -63,12 +63,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernelcache.errors import StampMismatchError, StorageError, WarmError
-from kernelcache.runtime import metrics
+from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains import flashinfer, inductor, triton
 from kernelcache.toolchains.base import (
@@ -78,6 +78,8 @@ from kernelcache.toolchains.base import (
     WarmerReport,
     make_cache_dirs,
 )
+from kernelcache.toolchains.vllm import coverage
+from kernelcache.toolchains.vllm.coverage import Coverage
 
 if TYPE_CHECKING:
     from kernelcache.spec import VllmWorkload
@@ -113,6 +115,7 @@ class VllmReport(WarmerReport):
     flashinfer_modules: list[str] = field(default_factory=list)
     arch_list: str = ""
     startup_plans: list[str] = field(default_factory=list)  # under files/vllm/startup_plan
+    coverage: dict[str, str] = field(default_factory=dict)  # family -> what was enumerated
 
 
 class VllmWarmer(Warmer):
@@ -154,9 +157,18 @@ class VllmWarmer(Warmer):
         env = dict(os.environ)
         sizes: set[int] = set()
         modules: set[str] = set()
+        enumerated: Coverage | None = None
+        coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
         for index in range(workload.max_passes):
             serving = index > 0
-            result = run_pass(workload, env, sorted(sizes), serving, self.config.timeout_seconds)
+            result = run_pass(
+                workload,
+                env,
+                sorted(sizes),
+                serving,
+                self.config.timeout_seconds,
+                coverage_file if enumerated is not None else None,
+            )
             report.passes.append(pass_summary(result))
             if not any(p["armed"] and not p["server"] for p in result["processes"]):
                 raise WarmError(
@@ -166,6 +178,9 @@ class VllmWarmer(Warmer):
                 )
             modules.update(result["flashinfer_modules"])
             if not serving:
+                enumerated = Coverage(**result["coverage"]) if result.get("coverage") else None
+                if enumerated is not None:
+                    coverage_file.write_text(enumerated.to_json())
                 report.kernels = sorted({k for _, k in _compiled(result)})
                 report.compiled = len(_compiled(result))
                 report.compiled_by_toolchain = result["compiled_by_toolchain"]
@@ -188,16 +203,23 @@ class VllmWarmer(Warmer):
         report.preload_sizes = sorted(sizes)
         report.arch_list = env.get("FLASHINFER_CUDA_ARCH_LIST", "")
         report.flashinfer_modules = keep_flashinfer_modules(files_dir, sorted(modules))
-        self._keep(files_dir, root, report)
+        self._keep(files_dir, root, report, enumerated)
+        shutil.rmtree(coverage_file.parent, ignore_errors=True)
 
-    def _keep(self, files_dir: Path, root: Path, report: VllmReport) -> None:
-        """vLLM's tree into files/vllm (its marker left out), the sizes beside it."""
+    def _keep(
+        self, files_dir: Path, root: Path, report: VllmReport, enumerated: Coverage | None
+    ) -> None:
+        """vLLM's tree into files/vllm (its marker left out), the sizes and the enumerated
+        coverage beside it."""
         target = files_dir / SUBDIR
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(root, target, ignore=shutil.ignore_patterns(MARKER))
         sizes_file = files_dir / WARMUP_FILE
         sizes_file.parent.mkdir(parents=True, exist_ok=True)
         sizes_file.write_text(json.dumps({"sizes": report.preload_sizes}) + "\n")
+        if enumerated is not None:
+            (files_dir / coverage.FILE).write_text(enumerated.to_json())
+            report.coverage = enumerated.summary()
         report.cache_key_factors = cache_key_factors(target)
         report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
 
@@ -241,6 +263,7 @@ def pass_summary(result: dict[str, Any]) -> dict[str, Any]:
         "import_seconds",
         "sweep_seconds",
         "torch_compile_seconds",
+        "coverage_seconds",
         "processes",
         "startup_plan",
         "flashinfer_modules",
@@ -299,8 +322,12 @@ def run_pass(
     sizes: list[int],
     serving: bool,
     timeout: int,
+    replayed: Path | None = None,
 ) -> dict[str, Any]:
-    """One engine process (``drive``); its result, or a WarmError with its last line."""
+    """One engine process (``drive``); its result, or a WarmError with its last line.
+
+    Without ``replayed`` the engine enumerates the fused-MoE coverage before its JIT monitor
+    arms; with it, it replays that coverage as serving does."""
     from kernelcache.toolchains import serving_settings
 
     with tempfile.TemporaryDirectory(prefix="kernelcache-vllm-") as tmp:
@@ -309,6 +336,7 @@ def run_pass(
             "sweep": sweep_plan(workload),
             "runtime": "warm",
             "preload": sizes,
+            "coverage": str(replayed) if replayed is not None else None,
             "result": str(Path(tmp) / "result.json"),
         }
         # A later pass is set up as serving from the generation is.
@@ -481,6 +509,9 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
         for variable in (contract.DIR, contract.ENV_FILE_PATH, contract.STRICT):
             env.pop(variable.name, None)
         env[contract.VLLM_SIZES.name] = ",".join(str(n) for n in job["preload"])
+        env.pop(contract.VLLM_COVERAGE.name, None)
+        if job["runtime"] == "warm":
+            env[contract.VLLM_COVERAGE.name] = job.get("coverage") or coverage.ENUMERATE
     engine, sweep = job["engine"], job["sweep"]
     port = _free_port()
     server = _Server(serve_command(engine, port), env, started)
@@ -573,6 +604,8 @@ def read_states(directory: Path, server_pid: int) -> dict[str, Any]:
         "monitor_mode": engine.get("monitor_mode"),
         "preload_sizes": engine.get("sizes", []),
         "preload_seconds": engine.get("preload_seconds", 0.0),
+        "coverage": engine.get("coverage"),
+        "coverage_seconds": engine.get("coverage_seconds"),
         "startup_plan": engine.get("startup_plan"),
         "jit_events": [event for one in states for event in one["events"]],
         "cold_compiles": compiles,
@@ -599,6 +632,10 @@ class State:
     """What the hooks saw in this process, written to ``state_dir`` for the warm and bench."""
 
     sizes: list[int] = field(default_factory=list)  # token counts run before the monitor arms
+    coverage: Coverage | None = None  # replayed before the monitor arms (serving)
+    enumerate: bool = False  # the warm's first pass: enumerate the coverage instead
+    enumerated: dict[str, Any] | None = None
+    coverage_seconds: float | None = None
     strict: bool = False
     expected_model: str | None = None
     monitor_mode: str | None = None  # the mode the monitor was armed in
@@ -630,8 +667,13 @@ def watch(
     strict: bool,
     expected_model: str | None = None,
     state_dir: Path | None = None,
+    replayed: Coverage | None = None,
+    enumerate_coverage: bool = False,
 ) -> None:
     """Install the hooks when vLLM's modules are imported (at once where they already are).
+
+    ``replayed``: the coverage loaded before the monitor arms (``coverage.replay``);
+    ``enumerate_coverage``: enumerate it there instead (the warm's first pass).
 
     vLLM's engine core is a process of its own (forked by ``vllm serve``, or spawned, when
     the runtime's ``.pth`` hook installs these again): the hooks work wherever the model
@@ -639,7 +681,9 @@ def watch(
     """
     state.sizes, state.strict, state.expected_model = sorted(set(sizes)), strict, expected_model
     state.state_dir = state_dir
+    state.coverage, state.enumerate = replayed, enumerate_coverage
     os.register_at_fork(after_in_child=_forked)
+    when_imported("triton", lambda _: coverage.loads.install())
     when_imported("vllm.engine.arg_utils", _imported)
     when_imported("vllm.utils.jit_monitor", _hook_monitor)
     when_imported("vllm.v1.worker.gpu_worker", _hook_worker_module)
@@ -692,6 +736,8 @@ def dump(force: bool = False) -> None:
         "monitor_mode": state.monitor_mode,
         "sizes": state.sizes,
         "preload_seconds": state.preload_seconds,
+        "coverage": state.enumerated,
+        "coverage_seconds": state.coverage_seconds,
         "events": state.events,
         "startup_plan": state.startup_plan,
         "cold_compiles": {f"{t}/{k}": v for (t, k), v in compiles.items()},
@@ -712,9 +758,13 @@ def _hook_monitor(module: Any) -> None:
 
     def activate_after_preload(*, mode: str = "warn", verbose: bool = False) -> None:
         worker = state.worker
-        if worker is not None and state.sizes:
-            preload(worker.model_runner, state.sizes)
-        state.monitor_mode = "error" if state.strict else mode
+        if worker is not None:
+            if state.sizes:
+                preload(worker.model_runner, state.sizes)
+            cover(worker.vllm_config)
+        # Ready from here: a compile is served and counted, not refused (``runtime.ready``).
+        ready.mark_ready()
+        state.monitor_mode = mode
         activate(mode=state.monitor_mode, verbose=verbose)
         dump()
 
@@ -728,6 +778,22 @@ def _hook_monitor(module: Any) -> None:
 
     module.activate = activate_after_preload
     module._handle_jit_event = handle_counted
+
+
+def cover(vllm_config: Any) -> None:
+    """Enumerate the fused-MoE coverage (the warm's first pass) or replay the generation's:
+    a specialization it lacks fails the start here, before the engine is ready."""
+    if state.enumerate:
+        state.enumerated = asdict(coverage.enumerate_moe(vllm_config))
+    elif state.coverage is not None:
+        state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
+        log.info(
+            "kernelcache: fused-MoE coverage loaded before the engine is ready: %d "
+            "specializations in %.2f s",
+            len(state.coverage.specializations(coverage.MOE)),
+            state.coverage_seconds,
+        )
+    dump()
 
 
 def _hook_worker_module(module: Any) -> None:
@@ -987,7 +1053,19 @@ class Vllm(Toolchain):
             sizes = list(config.vllm_sizes)
         else:
             sizes = read_sizes(serving.files) if serving.files is not None else []
-        watch(sizes, config.strict, factors.get(MODEL_FACTOR), config.vllm_state_dir)
+        enumerate_coverage = config.vllm_coverage == coverage.ENUMERATE
+        if config.vllm_coverage and not enumerate_coverage:
+            recorded: Path | None = Path(config.vllm_coverage)
+        else:
+            recorded = serving.files / coverage.FILE if serving.files is not None else None
+        watch(
+            sizes,
+            config.strict,
+            factors.get(MODEL_FACTOR),
+            config.vllm_state_dir,
+            Coverage.read(recorded) if recorded is not None and not enumerate_coverage else None,
+            enumerate_coverage=enumerate_coverage,
+        )
 
 
 TOOLCHAIN = Vllm(
@@ -1002,9 +1080,3 @@ TOOLCHAIN = Vllm(
     warmers=(VllmWarmer,),
     requires=("vllm", "vllm"),
 )
-
-
-if __name__ == "__main__":  # one engine process: run as this package's module, whose state
-    from kernelcache.toolchains.vllm import main as drive_main  # the runtime's hooks fill
-
-    sys.exit(drive_main(sys.argv[1:]))
