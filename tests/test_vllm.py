@@ -12,10 +12,13 @@ engine: ``tests/test_vllm_gpu.py`` and ``bench/vllm_coldstart.py``.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -247,6 +250,97 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     shape = sorted(served["outputs"])[0]
     changed = {**served["outputs"], shape: [[0] * 4]}
     assert differing_outputs(changed, cold["output_digests"]) == [shape]
+
+
+# ------------------------------------------------------------------------------ coverage
+
+
+def test_coverage_enumerates_every_token_count_the_engine_can_run(monkeypatch):
+    """In the engine's own objects (the stand-in's): every token count 1..bound through the
+    MoE layer; whatever count a batch has, its kernels are in the enumerated set, and the
+    set is the same on every build."""
+    monkeypatch.syspath_prepend(str(FAKE_VLLM))
+    from vllm.model_executor.layers import fused_moe
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from kernelcache.toolchains.vllm import coverage
+
+    def enumerated(bound: int) -> coverage.Coverage:
+        fused_moe.LOADED.clear()
+        worker = Worker(str(MODEL), Path("/nonexistent"), "bfloat16", max_num_batched_tokens=bound)
+        worker.load_model()
+        return coverage.enumerate_moe(worker.vllm_config)
+
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(Path(tempfile.mkdtemp())))
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    monkeypatch.setattr(coverage, "loads", coverage.Loads())
+    coverage.loads.install()
+    first, again = enumerated(300), enumerated(300)
+    assert first.families == {
+        **again.families,
+        "fused_moe": {
+            **again.families["fused_moe"],
+            "seconds": first.families["fused_moe"]["seconds"],
+        },
+    }
+    specs = first.specializations("fused_moe")
+    config = fused_moe.FusedMoEConfig(32, 4, 1024, 512, None)
+    met = {kernel for tokens in range(1, 301) for kernel in fused_moe.kernels_for(tokens, config)}
+    assert met == set(fused_moe.LOADED)
+    # Each kernel the layer can load is recorded once, at the first count that loads it.
+    digest = {hashlib.sha256(k.encode()).hexdigest()[:32]: k for k in met}
+    assert sorted(s.hash for s in specs) == sorted(digest)
+    for spec in specs:
+        assert digest[spec.hash] in fused_moe.kernels_for(spec.tokens, config)
+    assert first.engine["max_num_batched_tokens"] == 300
+    assert set(first.summary()) == {"fused_moe", "sampler", "compiled graphs"}
+
+
+def test_a_start_whose_generation_lacks_a_specialization_fails_before_ready(built, tmp_path):
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    files = next(pod.glob("*/files"))
+    recorded = json.loads((files / "vllm-warmup" / "coverage.json").read_text())
+    spec = recorded["families"]["fused_moe"]["specializations"][-1]
+    entry = base64.b32encode(bytes.fromhex(spec["hash"])).decode().rstrip("=")
+    shutil.rmtree(files / "triton" / entry)
+    serving = served_env(built, pod, KERNELCACHE_STRICT="1")
+    rc, result, log = drive(tmp_path, "lacking", serving, runtime="serving")
+    assert rc == 1 and result["ready_seconds"] is None, log
+    assert (
+        f"vllm coverage: fused_moe: fused_moe_kernel for {spec['tokens']} tokens "
+        f"({spec['layer']}) had to be compiled: the generation lacks it"
+    ) in log
+
+
+def test_a_start_configured_otherwise_than_the_coverage_fails_naming_the_setting(built, tmp_path):
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    serving = served_env(built, pod, KERNELCACHE_STRICT="1")
+    more = {"model": str(MODEL), "max_num_batched_tokens": 1024}
+    rc, result, log = drive(tmp_path, "more", serving, runtime="serving", engine=more)
+    assert rc == 1 and result["ready_seconds"] is None, log
+    assert (
+        "vllm coverage: the engine's configuration is not the one the generation enumerated "
+        "(max_num_batched_tokens: 512 != 1024): rebuild the KernelCache with this configuration"
+    ) in log
+
+
+def test_strict_after_ready_serves_a_compile_and_counts_it(built, tmp_path):
+    """Strict refuses a missing kernel before ready; after, a compile is served, counted and
+    named (killing an engine with requests in flight helps no one) unless the engine itself
+    was given vLLM's error mode."""
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    serving = served_env(built, pod, KERNELCACHE_STRICT="1", FAKE_VLLM_SAMPLER_KERNEL="1")
+    rc, result, log = drive(tmp_path, "after", serving, runtime="serving")
+    assert rc == 0 and result["sweep_error"] is None, log
+    assert result["cold_compiles"] == {"triton/sampler_kernel": 1}
+    assert [e["kernel"] for e in result["jit_events"]] == ["sampler_kernel[top_p=True]"]
+    rc, result, log = drive(tmp_path, "error", serving, runtime="serving", engine=ERROR_MODE)
+    assert rc == 1 and "JIT compilation during inference: sampler_kernel" in result["sweep_error"]
 
 
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):

@@ -57,12 +57,12 @@ def load(kernel: str) -> None:
     digest = hashlib.sha256(kernel.encode()).hexdigest()[:32]
     entry = base64.b32encode(bytes.fromhex(digest)).decode().rstrip("=")
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache")) / entry
-    group = cache / "__grp__fused_moe_kernel.json"
+    group = cache / f"__grp__{kernel.partition('[')[0]}.json"
     hit = group.is_file()
     if not hit:
         time.sleep(0.001)  # compiling
         cache.mkdir(parents=True, exist_ok=True)
-        (cache / "fused_moe_kernel.cubin").write_text(kernel)
+        (cache / f"{kernel.partition('[')[0]}.cubin").write_text(kernel)
         group.write_text(json.dumps({"child_paths": {}}))
     try:
         from triton import knobs
@@ -70,7 +70,7 @@ def load(kernel: str) -> None:
         knobs = None
     if knobs is not None and knobs.compilation.listener is not None:
         knobs.compilation.listener(
-            src=SimpleNamespace(name="fused_moe_kernel"),
+            src=SimpleNamespace(name=kernel.partition("[")[0]),
             cache_hit=hit,
             metadata={"hash": digest},
             metadata_group={},

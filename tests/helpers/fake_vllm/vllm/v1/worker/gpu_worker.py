@@ -47,6 +47,7 @@ class _VllmConfig:
 def moe_layers(model: str, config: _VllmConfig) -> None:
     """The model's MoE layers (its config.json), registered as vLLM registers them."""
     import torch
+
     from vllm.model_executor.layers.fused_moe import FusedMoEConfig, MoERunner
 
     c = json.loads((Path(model) / "config.json").read_text())
