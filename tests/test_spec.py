@@ -370,13 +370,20 @@ def test_crd_identity():
     (version,) = spec["versions"]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
     assert version["subresources"] == {"status": {}}
-    columns = {c["name"]: (c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]}
+    columns = {
+        c["name"]: (c["type"], c["jsonPath"], c.get("priority", 0))
+        for c in version["additionalPrinterColumns"]
+    }
     assert columns == {
-        "Model": ("string", ".spec.model"),
-        "Serving": ("string", ".status.servingArches"),
-        "Ready": ("string", ".status.readyArches"),
-        "Phase": ("string", ".status.phase"),
-        "Age": ("date", ".metadata.creationTimestamp"),
+        "Model": ("string", ".spec.model", 0),
+        "Serving": ("string", ".status.servingArches", 0),
+        "Ready": ("string", ".status.readyArches", 0),
+        "Phase": ("string", ".status.phase", 0),
+        "Age": ("date", ".metadata.creationTimestamp", 0),
+        "Arches": ("string", ".status.arches[*].arch", 1),
+        "Generations": ("string", ".status.arches[*].generation", 1),
+        "Stamps": ("string", ".status.arches[*].stampDigest", 1),
+        "Message": ("string", '.status.conditions[?(@.type=="Degraded")].message', 1),
     }
 
 
