@@ -211,6 +211,25 @@ def test_prometheus_operator_on_renders_servicemonitor_and_rules() -> None:
     one(docs, "PrometheusRule")
 
 
+def test_the_alerts_runbooks_follow_the_runbook_base_value() -> None:
+    source = yaml.safe_load((REPO / "prometheus" / "kernelcache-rules.yaml").read_text())
+    default = VALUES["prometheus-operator"]
+    for base in (None, "https://wiki.example.com/kernelcache/runbooks"):
+        rule = {"prometheusrule": {"enabled": True, "runbookBaseURL": base}} if base else {}
+        values = {"prometheus": {**default["prometheus"], **rule}}
+        docs = render("defaults", values)
+        groups = one(docs, "PrometheusRule")["spec"]["groups"]
+        rendered = {r["alert"]: r["annotations"]["runbook_url"] for g in groups for r in g["rules"]}
+        if base is None:  # the default: what the promtool-tested rules say
+            assert rendered == {
+                r["alert"]: r["annotations"]["runbook_url"]
+                for g in source["groups"]
+                for r in g["rules"]
+            }
+        else:
+            assert rendered == {alert: f"{base}#{alert.lower()}" for alert in rendered}
+
+
 @pytest.mark.parametrize("name", ["defaults", "prometheus-off"])
 def test_no_servicemonitor_or_prometheusrule_unless_asked(name: str) -> None:
     docs = render(name)
