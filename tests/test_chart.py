@@ -259,6 +259,22 @@ def test_the_dashboard_filters_each_panel_by_its_variables() -> None:
     assert checked >= 12
 
 
+@pytest.mark.parametrize("registry", [None, "registry.example.com/ml"])
+def test_the_notes_say_how_to_get_unpublished_images(tmp_path: Path, registry: str | None) -> None:
+    values = {}
+    if registry is not None:
+        values = {"image": {"repository": f"{registry}/kernelcache-operator"},
+                  "operator": {"initImage": f"{registry}/kernelcache-init:0.1.0"}}  # fmt: skip
+    done = helm("install", "kernelcache", str(CHART), "--namespace", NAMESPACE,
+                "--dry-run=client", *values_args(values, tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:\n", 1)[1]
+    operator = f"{registry or 'ghcr.io/kernelcache'}/kernelcache-operator:0.1.0"
+    assert f"Images: operator {operator}, init-container " in notes
+    building = "make images && make load-images CLUSTER=kind" in notes
+    assert building is (registry is None)
+
+
 def test_the_alerts_runbooks_follow_the_runbook_base_value() -> None:
     source = yaml.safe_load((REPO / "prometheus" / "kernelcache-rules.yaml").read_text())
     default = VALUES["prometheus-operator"]

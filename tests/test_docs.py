@@ -551,7 +551,11 @@ def test_a_command_the_docs_show_runs(sandbox, command):
 # --- what the docs say about the program, the chart, the CRD and the demo ----------------------
 
 EXAMPLE_FILES = sorted((REPO / "examples").glob("*.yaml"))
-PAGES = [*DOCS, REPO / "charts" / "README.md"]
+PAGES = [
+    *DOCS,
+    REPO / "charts" / "README.md",
+    REPO / "charts" / "kernelcache" / "templates" / "NOTES.txt",
+]
 RELEASE = "kernelcache"  # the one release name every page installs and upgrades
 
 
@@ -607,7 +611,7 @@ def test_every_make_target_the_docs_show_exists():
     targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), re.M))
     shown = 0
     for path in [*PAGES, *EXAMPLE_FILES]:
-        for found in re.findall(r"(?:^|`|&& |# +)make ([^`#&\n]*)", path.read_text(), re.M):
+        for found in re.findall(r"(?:^\s*|`|&& |# +)make ([^`#&\n]*)", path.read_text(), re.M):
             words = [w for w in found.split() if re.fullmatch(r"[a-z][\w-]*", w)]
             assert words, f"{path.name}: make {found}"
             for word in words:
@@ -635,10 +639,8 @@ def test_every_explain_line_shown_labels_both_sides():
     shown = 0
     for doc in DOCS:
         for _, lines in fenced_blocks(doc):
-            for line in lines:
-                if " != " in line and re.match(
-                    r"(?!kernelcache:)[\w/.\-]+: ", line
-                ):  # error lines: the reproductions
+            for line in lines:  # error lines (kernelcache: ...) are the reproductions' to check
+                if " != " in line and re.match(r"(?!kernelcache:)[\w/.\-]+: ", line):
                     assert EXPLAIN_LINE.fullmatch(line), f"{doc.name}: {line}"
                     shown += 1
     assert shown >= 3
