@@ -705,6 +705,76 @@ def test_the_readme_demo_output_is_what_the_demo_prints(sandbox, tmp_path):
         assert any(re.fullmatch(pattern, p) for p in printed), f"README shows\n  {line}\n{printed}"
 
 
+# --- recipes: serving pods that another controller makes ---------------------------------------
+
+RECIPES = ["kserve-inferenceservice.yaml", "leaderworkerset.yaml"]
+# KServe's and Knative's container beside the predictor's in Serverless mode.
+QUEUE_PROXY = {"name": "queue-proxy", "image": "gcr.io/knative-releases/queue:v1.15"}
+
+
+def pods_made_by(doc: dict) -> list[dict]:
+    """The pods an InferenceService or a LeaderWorkerSet makes, as the webhook sees them:
+    the labels, annotations and pod spec each controller copies onto its pods."""
+    meta = {"namespace": doc["metadata"]["namespace"], "name": doc["metadata"]["name"]}
+    if doc["kind"] == "InferenceService":
+        predictor = doc["spec"]["predictor"]
+        spec = {k: predictor[k] for k in ("containers", "volumes") if k in predictor}
+        spec["containers"] = [*spec["containers"], QUEUE_PROXY]
+        labels, annotations = predictor.get("labels", {}), predictor.get("annotations", {})
+        return [{"metadata": {**meta, "labels": labels, "annotations": annotations}, "spec": spec}]
+    assert doc["kind"] == "LeaderWorkerSet", doc["kind"]
+    templates = doc["spec"]["leaderWorkerTemplate"]
+    return [
+        {"metadata": {**meta, **templates[t]["metadata"]}, "spec": templates[t]["spec"]}
+        for t in ("leaderTemplate", "workerTemplate")
+    ]
+
+
+def without_listen_flags(args: list[str]) -> list[str]:
+    """Engine arguments without where the server listens (not part of any compile key)."""
+    kept, skip = [], False
+    for arg in args:
+        if not skip and arg not in ("--host", "--port"):
+            kept.append(arg)
+        skip = arg in ("--host", "--port") and not skip
+    return kept
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_recipes_pods_are_injected_and_start_the_engine_as_it_was_warmed(recipe):
+    from kernelcache.contract import LABEL_CACHE
+    from kernelcache.controller.config import OperatorConfig
+    from kernelcache.controller.webhook import apply_ops, mutate_pod
+    from kernelcache.spec import parse_kernelcache
+    from kernelcache.toolchains.vllm import serve_command
+
+    kernelcaches = {
+        d["metadata"]["name"]: d
+        for path in EXAMPLE_FILES
+        for d in yaml.safe_load_all(path.read_text())
+        if d and d.get("kind") == "KernelCache"
+    }
+    (doc,) = yaml.safe_load_all((EXAMPLES / recipe).read_text())
+    for pod in pods_made_by(doc):
+        kc_doc = kernelcaches[pod["metadata"]["labels"][LABEL_CACHE]]
+        kc = parse_kernelcache(kc_doc, recipe)
+        injected = apply_ops(pod, mutate_pod(pod, kc_doc, OperatorConfig()))
+        assert [c["name"] for c in injected["spec"]["initContainers"]] == ["kernelcache"]
+        (container,) = [c for c in injected["spec"]["containers"] if c["name"] != "queue-proxy"]
+        assert container["image"] == kc.spec.engine.image
+        assert {"name": "KERNELCACHE_RUNTIME", "value": "1"} in container["env"]
+        (warmer,) = [w for w in kc.spec.warmers if w.type == "vllm"]
+        engine = serve_command(warmer.vllm_workload().engine_args(), 0)
+        assert without_listen_flags(container["args"]) == without_listen_flags(engine[4:])
+        for name, value in warmer.env.items():  # vLLM hashes its variables into its key
+            assert {"name": name, "value": value} in container["env"], name
+        model = kc.spec.model_volume
+        assert model is not None
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model.mount_path]
+        (volume,) = [v for v in injected["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert {**volume, "name": "model"} == {"name": "model", **model.volume_source()}
+
+
 # --- the images ---------------------------------------------------------------------------------
 
 DOCKERFILES = sorted(REPO.glob("*/Dockerfile"))
