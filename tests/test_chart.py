@@ -360,6 +360,39 @@ def test_contradictory_or_unknown_values_fail_the_render(
     assert message in done.stderr
 
 
+def commented_keys(text: str) -> dict[str, bool]:
+    """Each key of a values file, by its dotted path -> whether a comment line is above it."""
+    found: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in text.splitlines():
+        if key := re.match(r"( *)([A-Za-z]\w*):", line):
+            indent = len(key[1])
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, key[2])]
+            found[".".join(k for _, k in stack)] = previous.lstrip().startswith("#")
+        if line.strip():
+            previous = line
+    return found
+
+
+def test_every_value_has_a_comment_and_the_schema_knows_exactly_the_values() -> None:
+    text = (CHART / "values.yaml").read_text()
+    commented = commented_keys(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(values: dict[str, Any], node: dict[str, Any], path: str) -> None:
+        assert node.get("additionalProperties") is False, f"{path or 'the root'} takes any key"
+        assert set(values) == set(node["properties"]), f"{path}: values and schema differ"
+        for key, value in values.items():
+            child, where = node["properties"][key], f"{path}{key}"
+            if isinstance(value, dict) and "properties" in child:
+                walk(value, child, f"{where}.")
+            else:  # a value, or a free-form object: said what it is for
+                assert commented[where], f"{where}: no comment above it"
+
+    walk(yaml.safe_load(text), schema, "")
+
+
 # --- validity of what is rendered -------------------------------------------------------------
 
 
