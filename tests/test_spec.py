@@ -518,3 +518,10 @@ def test_a_bad_model_volume_names_its_field(volume: dict[str, Any], message: str
         parse_kernelcache(doc, "kc.yaml")
     if "mountPath" in message or "claimName" in message:  # the API server refuses them too
         assert list(jsonschema.Draft4Validator(openapi_schema()).iter_errors(doc))
+
+
+def test_the_model_is_not_mounted_where_vllm_writes_its_cache():
+    doc = yaml.safe_load((ROOT / "examples" / "vllm-qwen3-moe.yaml").read_text())
+    doc["spec"]["modelVolume"]["mountPath"] = "/var/cache/vllm"
+    with pytest.raises(SpecError, match=r"modelVolume\.mountPath: is a vllm warmer's cacheRoot"):
+        parse_kernelcache(doc, "kc.yaml")

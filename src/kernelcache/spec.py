@@ -801,6 +801,16 @@ class KernelCacheSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_model_volume(self) -> KernelCacheSpec:
+        """The model's mount and vLLM's writable cache root are two volumes of the Job."""
+        model = self.model_volume
+        if model is not None and model.mount_path.rstrip("/") in self.vllm_cache_roots():
+            raise _rule_error(
+                "modelVolume.mountPath", "is a vllm warmer's cacheRoot: the model is read-only"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_warmer_classes(self) -> KernelCacheSpec:
         """Every class a warmer names exists, and every class has a warmer to build it."""
         if self.source is not None:
