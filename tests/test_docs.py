@@ -594,6 +594,24 @@ def test_the_kubectl_get_kc_headers_shown_are_the_crds_columns():
     assert shown >= 4
 
 
+def test_every_kernelcache_a_kubectl_command_names_is_an_example():
+    examples = {
+        d["metadata"]["name"]
+        for path in EXAMPLE_FILES
+        for d in yaml.safe_load_all(path.read_text())
+        if d and d.get("kind") == "KernelCache"
+    }
+    named = 0
+    for path in [*PAGES, *EXAMPLE_FILES]:
+        for name in re.findall(
+            r"kubectl \w+ [^#`\n]*?\b(?:kc|kernelcaches?)(?:/| +)([a-z0-9][a-z0-9-]*)",
+            path.read_text(),
+        ):
+            assert name in examples, f"{path.name}: kc {name}"
+            named += 1
+    assert named >= 8
+
+
 def test_every_page_names_the_one_release_and_installs_the_crd_with_the_chart():
     for path in [*PAGES, *EXAMPLE_FILES]:
         text = path.read_text()
