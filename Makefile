@@ -7,7 +7,7 @@ STORE ?= demo-store
 SPEC ?= examples/kernelcache.yaml
 SERVE_DIR ?= $(STORE)-serve
 
-.PHONY: demo test test-quick lint crds bench clean
+.PHONY: demo test test-quick lint crds images load-images push-images bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,19 @@ crds: $(VENV)/.installed
 	cp crds/kernelcache.dev_kernelcaches.yaml charts/kernelcache/files/
 	cp prometheus/kernelcache-rules.yaml charts/kernelcache/files/
 	cp prometheus/kernelcache-dashboard.json charts/kernelcache/files/
+
+# The operator, init-container and demo engine images, named as the chart and the examples
+# expect them, with whichever builder is installed (docker, podman, nerdctl, buildah); then
+# into a local cluster (CLUSTER=kind or k3d) or a registry (REGISTRY=...). IMAGES, TAG,
+# BUILDER and CLUSTER_NAME choose further: scripts/images.sh.
+images:
+	bash scripts/images.sh build
+
+load-images:
+	bash scripts/images.sh load
+
+push-images:
+	bash scripts/images.sh push
 
 bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py

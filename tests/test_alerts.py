@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import yaml
@@ -14,6 +15,8 @@ from tests.conftest import REPO, system_tool
 
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 RULE_TESTS = REPO / "prometheus" / "kernelcache-rules.test.yaml"
+# Where the alerts' runbooks are, by default: the operations doc in the repository.
+RUNBOOK_BASE = "https://github.com/kernelcache/kernelcache/blob/main/docs/operations.md"
 ALERTS = {
     "KernelCacheColdCompile",
     "KernelCacheCompileBudgetExceeded",
@@ -52,15 +55,32 @@ def test_every_alert_has_a_severity_a_runbook_and_both_tests():
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert set(rule["annotations"]) >= {"summary", "description", "runbook_url"}
         anchor = rule["alert"].lower()
-        assert rule["annotations"]["runbook_url"] == (
-            f"https://kernelcache.dev/docs/operations#{anchor}"
-        )
+        assert rule["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}#{anchor}"
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors a repository host makes of a document's headings (GitHub's rule:
+    lowercased, punctuation dropped, spaces to hyphens)."""
+    found = set()
+    for line in markdown.splitlines():
+        if match := re.match(r"#{1,6} (.+)", line):
+            found.add(re.sub(r"[^\w\- ]", "", match[1].strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_the_runbook_base_is_a_doc_of_this_repository_and_the_charts_default():
+    values = yaml.safe_load((REPO / "charts" / "kernelcache" / "values.yaml").read_text())
+    assert values["prometheus"]["prometheusrule"]["runbookBaseURL"] == RUNBOOK_BASE
+    home = yaml.safe_load((REPO / "charts" / "kernelcache" / "Chart.yaml").read_text())["home"]
+    assert RUNBOOK_BASE.startswith(f"{home}/blob/main/")
+    assert (REPO / RUNBOOK_BASE.removeprefix(f"{home}/blob/main/")).is_file()
 
 
 def test_every_runbook_link_has_its_section_in_the_operations_doc():
     rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
-    headings = (REPO / "docs" / "operations.md").read_text()
+    doc = (REPO / "docs" / "operations.md").read_text()
     for rule in rules:
         anchor = rule["annotations"]["runbook_url"].rsplit("#", 1)[1]
         assert anchor == rule["alert"].lower()
-        assert f"### {rule['alert']}\n" in headings
+        assert f"### {rule['alert']}\n" in doc
+        assert anchor in anchors(doc)

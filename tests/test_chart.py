@@ -10,6 +10,7 @@ the table of what the operator's code does.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ CUSTOM_KINDS = {
     "Certificate": "cert-manager.io",
     "Issuer": "cert-manager.io",
     "ServiceMonitor": "monitoring.coreos.com",
+    "PodMonitor": "monitoring.coreos.com",
     "PrometheusRule": "monitoring.coreos.com",
 }
 
@@ -205,16 +207,97 @@ def test_prometheus_operator_on_renders_servicemonitor_and_rules() -> None:
     monitor = one(docs, "ServiceMonitor")
     metrics = one(docs, "Service", "kc-kernelcache-metrics")
     assert monitor["spec"]["endpoints"][0]["port"] == metrics["spec"]["ports"][0]["name"]
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # the KernelCache's namespace
     assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(
         metrics["metadata"]["labels"].items()
     )
     one(docs, "PrometheusRule")
 
 
+def test_the_podmonitor_scrapes_the_labelled_serving_pods() -> None:
+    from kernelcache.contract import LABEL_CACHE
+
+    spec = one(render("prometheus-operator"), "PodMonitor", "kc-kernelcache-serving")["spec"]
+    assert spec["selector"] == {"matchExpressions": [{"key": LABEL_CACHE, "operator": "Exists"}]}
+    assert spec["namespaceSelector"] == {"any": True}
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("kc-metrics", "/metrics")
+    pod_label = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", LABEL_CACHE)
+    assert {"sourceLabels": [pod_label], "targetLabel": "kernelcache"} in endpoint["relabelings"]
+    watched = {"operator": {"watchNamespaces": ["team-a"]}}
+    spec = one(render("prometheus-operator", watched), "PodMonitor")["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+# A series selector of a query: the metric (a histogram's by its base name), its matchers.
+SELECTOR = re.compile(r"(kernelcache_\w+?)(?:_sum|_count|_bucket)?(?:\{([^}]*)\})?[\[)]")
+
+
+def test_the_dashboard_filters_each_panel_by_its_variables() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"namespace", "kernelcache", "arch"} <= set(variables)
+    for name in ("namespace", "kernelcache", "arch"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    # What each series can be filtered by: the serving pods' through the PodMonitor's target
+    # labels, the generation info by its own labels, the compile Jobs by arch.
+    serving = {"namespace": "$namespace", "kernelcache": "$kernelcache"}
+    info = {"namespace": "$namespace", "name": "$kernelcache", "arch": "$arch"}
+    wanted = {
+        "kernelcache_generation_info": info,
+        "kernelcache_operator_generation_info": info,
+        "kernelcache_operator_compile_job_seconds": {"arch": "$arch"},
+        "kernelcache_operator_kernelcaches": {},
+    }
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric, matchers in SELECTOR.findall(target["expr"]):
+                found = dict(re.findall(r'(\w+)=~"(\$\w+)"', matchers))
+                assert found == wanted.get(metric, serving), f"{panel['title']}: {metric}"
+                checked += 1
+    assert checked >= 12
+
+
+@pytest.mark.parametrize("registry", [None, "registry.example.com/ml"])
+def test_the_notes_say_how_to_get_unpublished_images(tmp_path: Path, registry: str | None) -> None:
+    values = {}
+    if registry is not None:
+        values = {"image": {"repository": f"{registry}/kernelcache-operator"},
+                  "operator": {"initImage": f"{registry}/kernelcache-init:0.1.0"}}  # fmt: skip
+    done = helm("install", "kernelcache", str(CHART), "--namespace", NAMESPACE,
+                "--dry-run=client", *values_args(values, tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:\n", 1)[1]
+    operator = f"{registry or 'ghcr.io/kernelcache'}/kernelcache-operator:0.1.0"
+    assert f"Images: operator {operator}, init-container " in notes
+    building = "make images && make load-images CLUSTER=kind" in notes
+    assert building is (registry is None)
+
+
+def test_the_alerts_runbooks_follow_the_runbook_base_value() -> None:
+    source = yaml.safe_load((REPO / "prometheus" / "kernelcache-rules.yaml").read_text())
+    default = VALUES["prometheus-operator"]
+    for base in (None, "https://wiki.example.com/kernelcache/runbooks"):
+        rule = {"prometheusrule": {"enabled": True, "runbookBaseURL": base}} if base else {}
+        values = {"prometheus": {**default["prometheus"], **rule}}
+        docs = render("defaults", values)
+        groups = one(docs, "PrometheusRule")["spec"]["groups"]
+        rendered = {r["alert"]: r["annotations"]["runbook_url"] for g in groups for r in g["rules"]}
+        if base is None:  # the default: what the promtool-tested rules say
+            assert rendered == {
+                r["alert"]: r["annotations"]["runbook_url"]
+                for g in source["groups"]
+                for r in g["rules"]
+            }
+        else:
+            assert rendered == {alert: f"{base}#{alert.lower()}" for alert in rendered}
+
+
 @pytest.mark.parametrize("name", ["defaults", "prometheus-off"])
-def test_no_servicemonitor_or_prometheusrule_unless_asked(name: str) -> None:
+def test_no_monitors_or_prometheusrule_unless_asked(name: str) -> None:
     docs = render(name)
-    assert "ServiceMonitor" not in kinds(docs) and "PrometheusRule" not in kinds(docs)
+    assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule"} & set(kinds(docs))
     if name == "prometheus-off":
         assert env_of(docs)["KERNELCACHE_OPERATOR_METRICS_PORT"] == "0"
         assert [d for d in docs if d["kind"] == "Service"] == [
@@ -253,6 +336,11 @@ def test_namespaced_binds_only_in_the_watched_namespaces() -> None:
             {"prometheus": {"enabled": False, "prometheusrule": {"enabled": True}}},
             "prometheus.prometheusrule.enabled needs prometheus.enabled",
         ),
+        (
+            {"prometheus": {"enabled": False, "podmonitor": {"enabled": True}}},
+            "prometheus.podmonitor.enabled needs prometheus.enabled",
+        ),
+        ({"prometheus": {"podmonitor": {"portName": "kernelcache-metrics"}}}, "portName"),
         ({"replicaCount": 2, "operator": {"peering": ""}}, "needs operator.peering"),
         ({"webhook": {"port": 9090}}, "must differ"),
         (
@@ -270,6 +358,39 @@ def test_contradictory_or_unknown_values_fail_the_render(
     done = render_text("defaults", json.dumps(values))
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def commented_keys(text: str) -> dict[str, bool]:
+    """Each key of a values file, by its dotted path -> whether a comment line is above it."""
+    found: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in text.splitlines():
+        if key := re.match(r"( *)([A-Za-z]\w*):", line):
+            indent = len(key[1])
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, key[2])]
+            found[".".join(k for _, k in stack)] = previous.lstrip().startswith("#")
+        if line.strip():
+            previous = line
+    return found
+
+
+def test_every_value_has_a_comment_and_the_schema_knows_exactly_the_values() -> None:
+    text = (CHART / "values.yaml").read_text()
+    commented = commented_keys(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(values: dict[str, Any], node: dict[str, Any], path: str) -> None:
+        assert node.get("additionalProperties") is False, f"{path or 'the root'} takes any key"
+        assert set(values) == set(node["properties"]), f"{path}: values and schema differ"
+        for key, value in values.items():
+            child, where = node["properties"][key], f"{path}{key}"
+            if isinstance(value, dict) and "properties" in child:
+                walk(value, child, f"{where}.")
+            else:  # a value, or a free-form object: said what it is for
+                assert commented[where], f"{where}: no comment above it"
+
+    walk(yaml.safe_load(text), schema, "")
 
 
 # --- validity of what is rendered -------------------------------------------------------------

@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kernelcache.crd import crd_manifest
 from kernelcache.errors import ColdCompileError, error_line
 from kernelcache.store import Store, manifest_checksum
 from tests.conftest import EXAMPLES, REPO, kernelcache_doc, publish_files, run_kernelcache
@@ -544,6 +546,248 @@ def test_a_command_the_docs_show_runs(sandbox, command):
                               text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
     expected = EXPECTED_EXIT.get(command, 0)
     assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+# --- what the docs say about the program, the chart, the CRD and the demo ----------------------
+
+EXAMPLE_FILES = sorted((REPO / "examples").glob("*.yaml"))
+PAGES = [
+    *DOCS,
+    REPO / "charts" / "README.md",
+    REPO / "charts" / "kernelcache" / "templates" / "NOTES.txt",
+]
+RELEASE = "kernelcache"  # the one release name every page installs and upgrades
+
+
+def test_the_readme_command_table_lists_every_subcommand():
+    from kernelcache.cli import build_parser
+    from kernelcache.completion import subcommands
+
+    readme = (REPO / "README.md").read_text().split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `kernelcache ([a-z]+)", readme, re.M))
+    assert listed == set(subcommands(build_parser())), "docs/cli.md's table has each one in full"
+
+
+def printed_columns(*, wide: bool) -> list[str]:
+    """The headers ``kubectl get kc`` prints: NAME, then the CRD's printer columns (those of
+    priority 1 only with ``-o wide``)."""
+    (version,) = crd_manifest()["spec"]["versions"]
+    columns = version["additionalPrinterColumns"]
+    return ["NAME", *(c["name"].upper() for c in columns if wide or not c.get("priority"))]
+
+
+def test_the_kubectl_get_kc_headers_shown_are_the_crds_columns():
+    shown = 0
+    for path in [*PAGES, *EXAMPLE_FILES]:
+        for line in path.read_text().splitlines():
+            found = re.search(
+                r"kubectl get (?:kc|kernelcaches?)\b([^#`]*)#\s*(NAME|\.\.\.)(.*)", line
+            )
+            if found is None:
+                continue
+            columns = printed_columns(wide="-o wide" in found[1])
+            words = found[3].split()
+            assert words == (columns[-len(words) :] if found[2] == "..." else columns[1:]), (
+                f"{path.name}: {line.strip()}"
+            )
+            shown += 1
+    assert shown >= 4
+
+
+def test_every_kernelcache_a_kubectl_command_names_is_an_example():
+    examples = {
+        d["metadata"]["name"]
+        for path in EXAMPLE_FILES
+        for d in yaml.safe_load_all(path.read_text())
+        if d and d.get("kind") == "KernelCache"
+    }
+    named = 0
+    for path in [*PAGES, *EXAMPLE_FILES]:
+        for name in re.findall(
+            r"kubectl \w+ [^#`\n]*?\b(?:kc|kernelcaches?)(?:/| +)([a-z0-9][a-z0-9-]*)",
+            path.read_text(),
+        ):
+            assert name in examples, f"{path.name}: kc {name}"
+            named += 1
+    assert named >= 8
+
+
+def test_every_page_names_the_one_release_and_installs_the_crd_with_the_chart():
+    for path in [*PAGES, *EXAMPLE_FILES]:
+        text = path.read_text()
+        for verb, name in re.findall(
+            r"\bhelm (install|upgrade|template|rollback|history|uninstall) ([^\s`-]\S*)", text
+        ):
+            assert name == RELEASE, f"{path.name}: helm {verb} {name}"
+        assert "kubectl apply -f crds/" not in text, f"{path.name}: the chart installs the CRD"
+
+
+def test_every_make_target_the_docs_show_exists():
+    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), re.M))
+    shown = 0
+    for path in [*PAGES, *EXAMPLE_FILES]:
+        for found in re.findall(r"(?:^\s*|`|&& |# +)make ([^`#&\n]*)", path.read_text(), re.M):
+            words = [w for w in found.split() if re.fullmatch(r"[a-z][\w-]*", w)]
+            assert words, f"{path.name}: make {found}"
+            for word in words:
+                assert word in targets, f"{path.name}: make {word}"
+                shown += 1
+    assert shown >= 5
+
+
+def test_every_toolchain_doctor_names_has_a_page():
+    from kernelcache.toolchains import toolchains
+
+    index = (REPO / "docs" / "warmers" / "README.md").read_text()
+    for toolchain in toolchains():  # doctor's rows are toolchain/<label>
+        assert (REPO / "docs" / "warmers" / f"{toolchain.label}.md").is_file(), toolchain.label
+        assert f"]({toolchain.label}.md)" in index, toolchain.label
+
+
+EXPLAIN_LINE = re.compile(
+    r"[\w/.\-]+: .+ \((?:generation [0-9a-f]{16}|this environment)\) != .+ "
+    r"\((?:generation [0-9a-f]{16}|this environment)\)"
+)
+
+
+def test_every_explain_line_shown_labels_both_sides():
+    shown = 0
+    for doc in DOCS:
+        for _, lines in fenced_blocks(doc):
+            for line in lines:  # error lines (kernelcache: ...) are the reproductions' to check
+                if " != " in line and re.match(r"(?!kernelcache:)[\w/.\-]+: ", line):
+                    assert EXPLAIN_LINE.fullmatch(line), f"{doc.name}: {line}"
+                    shown += 1
+    assert shown >= 3
+
+
+def demo_counts(sandbox: dict[str, str]) -> tuple[int, int]:
+    """(files, kernels) of the example's sm_90a generation, as the sandbox built it."""
+    store = Store(Path(sandbox[STORE_AS_DOCUMENTED]))
+    generation = store.current("default/demo/sm_90a")
+    assert generation is not None
+    files = json.loads((generation / "MANIFEST.json").read_text())["files"]
+    return len(files), sum(f["path"].endswith(".o") for f in files)
+
+
+# What the docs say the demo (examples/kernelcache.yaml) publishes and loads, by page.
+DEMO_COUNTS = {
+    "README.md": [r"verified: (?P<files>\d+) files", r"(?P<kernels>\d+) kernels ready"],
+    "docs/cli.md": [r"published generation \w+ \((?P<files>\d+) files\)",
+               r"\((?P<files>\d+) files, (?P<kernels>\d+) compiled\)"],
+    "docs/warmers/cute-dsl.md": [r"(?P<kernels>\d+) kernels in (?P<files>\d+) files"],
+    "docs/cluster-quickstart.md": [r"(?P<kernels>\d+) loaded from cache"],
+}  # fmt: skip
+
+
+def test_the_demo_counts_the_docs_quote_are_what_the_demo_publishes(sandbox):
+    files, kernels = demo_counts(sandbox)
+    for name, patterns in DEMO_COUNTS.items():
+        text = (REPO / name).read_text()
+        for pattern in patterns:
+            quoted = list(re.finditer(pattern, text))
+            assert quoted, f"{name}: {pattern}"
+            for found in quoted:
+                said = found.groupdict()
+                assert int(said.get("files", files)) == files, f"{name}: {found[0]}"
+                assert int(said.get("kernels", kernels)) == kernels, f"{name}: {found[0]}"
+
+
+def test_the_readme_demo_output_is_what_the_demo_prints(sandbox, tmp_path):
+    """README's "What make demo prints" block, against the demo's last two steps run on the
+    example's sm_90a generation: counts exact; ids, sizes, seconds and paths any."""
+    root = Path(sandbox["root"])
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    args = ("verify", "--store", "store", "-f", "examples/kernelcache.yaml", "--arch", "sm_90a",
+            "--check-env", "--materialize", str(serve))  # fmt: skip
+    verified = run_kernelcache(*args, cwd=root, PYTHONPATH=str(root / "examples"))
+    assert verified.returncode == 0, verified.stderr
+    (generation,) = [d for d in serve.iterdir() if d.is_dir()]
+    served = subprocess.run(
+        [sys.executable, "examples/demo_serve.py"], cwd=root, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "KERNELCACHE_STRICT": "1",
+                          "KERNELCACHE_CUTE_DSL_DIR": str(generation / "files" / "cute-dsl")},
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    printed = (verified.stdout + verified.stderr + served.stdout).splitlines()
+    readme = (REPO / "README.md").read_text().split("What `make demo` prints at the end:", 1)[1]
+    shown = readme.split("```\n", 2)[1].splitlines()
+    assert len(shown) == 2
+    for line in shown:
+        parts = re.split(r"([0-9a-f]{6,}…|\d+\.\d+|…)", line)  # the separators at odd places
+        pattern = "".join(".*" if i % 2 else re.escape(part) for i, part in enumerate(parts))
+        assert any(re.fullmatch(pattern, p) for p in printed), f"README shows\n  {line}\n{printed}"
+
+
+# --- recipes: serving pods that another controller makes ---------------------------------------
+
+RECIPES = ["kserve-inferenceservice.yaml", "leaderworkerset.yaml"]
+# KServe's and Knative's container beside the predictor's in Serverless mode.
+QUEUE_PROXY = {"name": "queue-proxy", "image": "gcr.io/knative-releases/queue:v1.15"}
+
+
+def pods_made_by(doc: dict) -> list[dict]:
+    """The pods an InferenceService or a LeaderWorkerSet makes, as the webhook sees them:
+    the labels, annotations and pod spec each controller copies onto its pods."""
+    meta = {"namespace": doc["metadata"]["namespace"], "name": doc["metadata"]["name"]}
+    if doc["kind"] == "InferenceService":
+        predictor = doc["spec"]["predictor"]
+        spec = {k: predictor[k] for k in ("containers", "volumes") if k in predictor}
+        spec["containers"] = [*spec["containers"], QUEUE_PROXY]
+        labels, annotations = predictor.get("labels", {}), predictor.get("annotations", {})
+        return [{"metadata": {**meta, "labels": labels, "annotations": annotations}, "spec": spec}]
+    assert doc["kind"] == "LeaderWorkerSet", doc["kind"]
+    templates = doc["spec"]["leaderWorkerTemplate"]
+    return [
+        {"metadata": {**meta, **templates[t]["metadata"]}, "spec": templates[t]["spec"]}
+        for t in ("leaderTemplate", "workerTemplate")
+    ]
+
+
+def without_listen_flags(args: list[str]) -> list[str]:
+    """Engine arguments without where the server listens (not part of any compile key)."""
+    kept, skip = [], False
+    for arg in args:
+        if not skip and arg not in ("--host", "--port"):
+            kept.append(arg)
+        skip = arg in ("--host", "--port") and not skip
+    return kept
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_recipes_pods_are_injected_and_start_the_engine_as_it_was_warmed(recipe):
+    from kernelcache.contract import LABEL_CACHE
+    from kernelcache.controller.config import OperatorConfig
+    from kernelcache.controller.webhook import apply_ops, mutate_pod
+    from kernelcache.spec import parse_kernelcache
+    from kernelcache.toolchains.vllm import serve_command
+
+    kernelcaches = {
+        d["metadata"]["name"]: d
+        for path in EXAMPLE_FILES
+        for d in yaml.safe_load_all(path.read_text())
+        if d and d.get("kind") == "KernelCache"
+    }
+    (doc,) = yaml.safe_load_all((EXAMPLES / recipe).read_text())
+    for pod in pods_made_by(doc):
+        kc_doc = kernelcaches[pod["metadata"]["labels"][LABEL_CACHE]]
+        kc = parse_kernelcache(kc_doc, recipe)
+        injected = apply_ops(pod, mutate_pod(pod, kc_doc, OperatorConfig()))
+        assert [c["name"] for c in injected["spec"]["initContainers"]] == ["kernelcache"]
+        (container,) = [c for c in injected["spec"]["containers"] if c["name"] != "queue-proxy"]
+        assert container["image"] == kc.spec.engine.image
+        assert {"name": "KERNELCACHE_RUNTIME", "value": "1"} in container["env"]
+        (warmer,) = [w for w in kc.spec.warmers if w.type == "vllm"]
+        engine = serve_command(warmer.vllm_workload().engine_args(), 0)
+        assert without_listen_flags(container["args"]) == without_listen_flags(engine[4:])
+        for name, value in warmer.env.items():  # vLLM hashes its variables into its key
+            assert {"name": name, "value": value} in container["env"], name
+        model = kc.spec.model_volume
+        assert model is not None
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model.mount_path]
+        (volume,) = [v for v in injected["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert {**volume, "name": "model"} == {"name": "model", **model.volume_source()}
 
 
 # --- the images ---------------------------------------------------------------------------------

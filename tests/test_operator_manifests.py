@@ -314,3 +314,38 @@ def test_a_compile_jobs_deadline_counts_only_the_warmers_of_its_arch() -> None:
         for arch in kc.spec.arches()
     }
     assert deadlines == {"sm_90a": 100, "sm_120a": 7000}
+
+
+@pytest.mark.parametrize(
+    ("volume", "source"),
+    [
+        (
+            {"persistentVolumeClaim": {"claimName": "weights"}, "subPath": "qwen3"},
+            {"persistentVolumeClaim": {"claimName": "weights"}},
+        ),
+        ({"configMap": {"name": "qwen3-config"}}, {"configMap": {"name": "qwen3-config"}}),
+        (
+            {"image": {"reference": "registry.example.com/qwen3:1", "pullPolicy": "IfNotPresent"}},
+            {"image": {"reference": "registry.example.com/qwen3:1", "pullPolicy": "IfNotPresent"}},
+        ),
+    ],
+)
+def test_compile_job_mounts_the_model_read_only(volume: dict[str, Any], source: dict) -> None:
+    kc = kernelcache(modelVolume={"mountPath": "/models/qwen3", **volume})
+    job = manifests.compile_job(
+        kc, arch="sm_90a", digest="d" * 16, attempt=0, owner=OWNER, config=CONFIG
+    )
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {v["name"]: v for v in pod["volumes"]}["model"] == {"name": "model", **source}
+    mount = {"name": "model", "mountPath": "/models/qwen3", "readOnly": True}
+    if "subPath" in volume:
+        mount["subPath"] = volume["subPath"]
+    assert {m["name"]: m for m in container["volumeMounts"]}["model"] == mount
+
+
+def test_compile_job_mounts_no_model_unless_asked() -> None:
+    job = manifests.compile_job(
+        kernelcache(), arch="sm_90a", digest="d" * 16, attempt=0, owner=OWNER, config=CONFIG
+    )
+    assert "model" not in {v["name"] for v in job["spec"]["template"]["spec"]["volumes"]}

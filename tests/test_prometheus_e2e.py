@@ -13,6 +13,7 @@ every panel query of ``prometheus/kernelcache-dashboard.json`` must return serie
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -212,11 +213,19 @@ def test_a_cold_compile_fires_the_alert_and_a_warm_process_does_not(scraped):
     assert [a for a in alerts if a["labels"].get("job") == "warm"] == []
 
 
+def as_sent(expr: str) -> str:
+    """A query as Grafana sends it with every variable at All (``.*``: an absent label too)."""
+    expr = expr.replace("$__rate_interval", "30s")
+    for name in ("namespace", "kernelcache", "arch"):
+        expr = expr.replace(f"${name}", ".*")
+    return expr
+
+
 def panel_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of the dashboard, as Grafana would send them."""
     dashboard = json.loads(DASHBOARD.read_text())
     return [
-        (panel["title"], target["expr"].replace("$__rate_interval", "30s"))
+        (panel["title"], as_sent(target["expr"]))
         for panel in dashboard["panels"]
         for target in panel["targets"]
     ]
@@ -239,7 +248,7 @@ def test_every_dashboard_query_returns_series(scraped):
         return [series["metric"] for series in results[query]]
 
     assert {"toolchain": "cute-dsl", "kernel": "demo_kernels:add"} in labels(
-        "sum by (toolchain, kernel) (kernelcache_cold_compiles_total)"
+        "sum by (toolchain, kernel) (kernelcache_cold_compiles_total{"
     )
     assert {"toolchain": "cute-dsl"} in labels("kernelcache_cache_hits_total")
     served = labels("kernelcache_generation_info")
@@ -252,5 +261,12 @@ def test_every_dashboard_query_returns_series(scraped):
     assert {"arch": "sm_90a", "result": "succeeded"} in labels(
         "kernelcache_operator_compile_job_seconds_sum"
     )
+    dashboard = json.loads(DASHBOARD.read_text())
+    for variable in dashboard["templating"]["list"][1:]:  # each offers what the operator published
+        selector, label = re.fullmatch(
+            r"label_values\((.+), (\w+)\)", variable["definition"]
+        ).groups()
+        found = api(server, "query", query=as_sent(selector))["result"]
+        assert [s["metric"][label] for s in found], variable["name"]
     phases = api(server, "query", query="sum by (phase) (kernelcache_operator_kernelcaches)")
     assert {s["metric"]["phase"]: s["value"][1] for s in phases["result"]}["Ready"] == "1"

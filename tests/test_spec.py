@@ -370,13 +370,20 @@ def test_crd_identity():
     (version,) = spec["versions"]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
     assert version["subresources"] == {"status": {}}
-    columns = {c["name"]: (c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]}
+    columns = {
+        c["name"]: (c["type"], c["jsonPath"], c.get("priority", 0))
+        for c in version["additionalPrinterColumns"]
+    }
     assert columns == {
-        "Model": ("string", ".spec.model"),
-        "Serving": ("string", ".status.servingArches"),
-        "Ready": ("string", ".status.readyArches"),
-        "Phase": ("string", ".status.phase"),
-        "Age": ("date", ".metadata.creationTimestamp"),
+        "Model": ("string", ".spec.model", 0),
+        "Serving": ("string", ".status.servingArches", 0),
+        "Ready": ("string", ".status.readyArches", 0),
+        "Phase": ("string", ".status.phase", 0),
+        "Age": ("date", ".metadata.creationTimestamp", 0),
+        "Arches": ("string", ".status.arches[*].arch", 1),
+        "Generations": ("string", ".status.arches[*].generation", 1),
+        "Stamps": ("string", ".status.arches[*].stampDigest", 1),
+        "Message": ("string", '.status.conditions[?(@.type=="Degraded")].message', 1),
     }
 
 
@@ -464,3 +471,57 @@ def test_committed_api_reference_is_generated_from_the_models():
     ):
         assert f"| `{path.rsplit('.', 1)[1].removesuffix('[]')}`" in committed, path
     assert "| `hiddenSize` (required) | integer (>= 128; multiple of 128) |" in committed
+
+
+def example_kernelcaches() -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
+    """(file name, KernelCache, the file's other objects) of every KernelCache in examples/."""
+    found = []
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        found += [(path.name, d, docs) for d in docs if d.get("kind") == "KernelCache"]
+    return found
+
+
+@pytest.mark.parametrize(("name", "doc", "others"), example_kernelcaches(), ids=lambda v: v)
+def test_every_example_kernelcache_loads_and_validates_against_the_crd(name, doc, others):
+    kc = parse_kernelcache(doc, name)
+    jsonschema.Draft4Validator(openapi_schema()).validate(doc)
+    model = kc.spec.model_volume
+    if model is not None and model.config_map is not None:  # shipped in the same file
+        shipped = {d["metadata"]["name"] for d in others if d.get("kind") == "ConfigMap"}
+        assert model.config_map.name in shipped
+    if model is not None:  # the warmers' model paths lie on the mount
+        for warmer in kc.spec.warmers:
+            if warmer.type == "vllm":
+                assert warmer.vllm_workload().model.startswith(model.mount_path)
+
+
+ONE_SOURCE = "set exactly one of persistentVolumeClaim, configMap or image"
+
+
+@pytest.mark.parametrize(
+    ("volume", "message"),
+    [
+        ({"mountPath": "/models/m"}, ONE_SOURCE),
+        (
+            {"mountPath": "/m", "configMap": {"name": "c"}, "image": {"reference": "r/m:1"}},
+            ONE_SOURCE,
+        ),
+        ({"mountPath": "models", "configMap": {"name": "c"}}, "modelVolume.mountPath"),
+        ({"mountPath": "/m", "persistentVolumeClaim": {"claimName": "Bad_Name"}}, "claimName"),
+    ],
+)
+def test_a_bad_model_volume_names_its_field(volume: dict[str, Any], message: str):
+    doc = example()
+    doc["spec"]["modelVolume"] = volume
+    with pytest.raises(SpecError, match=message):
+        parse_kernelcache(doc, "kc.yaml")
+    if "mountPath" in message or "claimName" in message:  # the API server refuses them too
+        assert list(jsonschema.Draft4Validator(openapi_schema()).iter_errors(doc))
+
+
+def test_the_model_is_not_mounted_where_vllm_writes_its_cache():
+    doc = yaml.safe_load((ROOT / "examples" / "vllm-qwen3-moe.yaml").read_text())
+    doc["spec"]["modelVolume"]["mountPath"] = "/var/cache/vllm"
+    with pytest.raises(SpecError, match=r"modelVolume\.mountPath: is a vllm warmer's cacheRoot"):
+        parse_kernelcache(doc, "kc.yaml")

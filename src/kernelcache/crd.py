@@ -101,12 +101,18 @@ def crd_manifest() -> dict[str, Any]:
             "their KernelCache in a label, and a label value is at most that long",
         }
     ]
+    # (name, type, JSONPath, priority): 0 in `kubectl get kc`, 1 only with `-o wide`.
     columns = [
-        ("Model", "string", ".spec.model"),
-        ("Serving", "string", ".status.servingArches"),
-        ("Ready", "string", ".status.readyArches"),
-        ("Phase", "string", ".status.phase"),
-        ("Age", "date", ".metadata.creationTimestamp"),
+        ("Model", "string", ".spec.model", 0),
+        ("Serving", "string", ".status.servingArches", 0),
+        ("Ready", "string", ".status.readyArches", 0),
+        ("Phase", "string", ".status.phase", 0),
+        ("Age", "date", ".metadata.creationTimestamp", 0),
+        ("Arches", "string", ".status.arches[*].arch", 1),
+        ("Generations", "string", ".status.arches[*].generation", 1),
+        ("Stamps", "string", ".status.arches[*].stampDigest", 1),
+        # Degraded's message names what failed, or counts the ready arches when nothing did.
+        ("Message", "string", '.status.conditions[?(@.type=="Degraded")].message', 1),
     ]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -132,7 +138,8 @@ def crd_manifest() -> dict[str, Any]:
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": [
                         {"name": name, "type": type_, "jsonPath": path}
-                        for name, type_, path in columns
+                        | ({"priority": priority} if priority else {})
+                        for name, type_, path, priority in columns
                     ],
                 }
             ],

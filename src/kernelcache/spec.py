@@ -636,6 +636,73 @@ class Source(BaseModel):
     oci: OciSource = Field(description="Artifacts in an OCI registry, by digest.")
 
 
+class ModelClaim(BaseModel):
+    """A PersistentVolumeClaim of this namespace holding the model."""
+
+    model_config = _SPEC_CONFIG
+
+    claim_name: ObjectName = Field(description="The claim's name.")
+
+
+class ModelConfigMap(BaseModel):
+    """A ConfigMap of this namespace holding the model's small files (config.json), enough
+    for vLLM's loadFormat dummy."""
+
+    model_config = _SPEC_CONFIG
+
+    name: ObjectName = Field(description="The ConfigMap's name; each key becomes a file.")
+
+
+class ModelImage(BaseModel):
+    """An OCI image (or artifact) holding the model, mounted as a Kubernetes image volume
+    (on by default from 1.35)."""
+
+    model_config = _SPEC_CONFIG
+
+    reference: str = Field(min_length=1, description="The image, e.g. registry.example.com/m:1.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="The volume's pullPolicy; unset: the Kubernetes default."
+    )
+
+
+class ModelVolume(BaseModel):
+    """The model mounted read-only into each compile Job: the path a warmer gives the
+    engine (vLLM's --model) is a stamp factor, so it must exist there as in serving."""
+
+    model_config = _SPEC_CONFIG
+
+    mount_path: str = Field(
+        pattern=ABSOLUTE_PATH,
+        description="Where the compile Job's container sees the model: the path serving "
+        "mounts it at, e.g. /models/Qwen3-30B-A3B.",
+    )
+    sub_path: str | None = Field(
+        default=None, min_length=1, description="A directory of the volume to mount instead."
+    )
+    persistent_volume_claim: ModelClaim | None = Field(
+        default=None, description="The weights on a claim (ReadOnlyMany or ReadWriteMany)."
+    )
+    config_map: ModelConfigMap | None = Field(
+        default=None, description="Only the model's config, for loadFormat dummy."
+    )
+    image: ModelImage | None = Field(default=None, description="The model in an OCI image.")
+
+    @model_validator(mode="after")
+    def _check_exactly_one(self) -> ModelVolume:
+        sources = (self.persistent_volume_claim, self.config_map, self.image)
+        if sum(source is not None for source in sources) != 1:
+            raise _rule_error("", "set exactly one of persistentVolumeClaim, configMap or image")
+        return self
+
+    def volume_source(self) -> dict[str, Any]:
+        """The Kubernetes volume source, as a pod's ``volumes[]`` entry holds it."""
+        return self.model_dump(
+            by_alias=True,
+            exclude_none=True,
+            include={"persistent_volume_claim", "config_map", "image"},
+        )
+
+
 class KernelCacheSpec(BaseModel):
     """What to compile (model, engine, warmers), for which GPUs, and where to keep it."""
 
@@ -665,6 +732,11 @@ class KernelCacheSpec(BaseModel):
     )
     distribution: Distribution = Field(
         default=Distribution(), description="Where generations go besides the store (OCI)."
+    )
+    model_volume: ModelVolume | None = Field(
+        default=None,
+        description="Mount the model into the compile Jobs (read-only), where a warmer's "
+        "model path must exist: a claim, a ConfigMap or an image volume.",
     )
     source: Source | None = Field(
         default=None,
@@ -712,6 +784,8 @@ class KernelCacheSpec(BaseModel):
             raise _rule_error(
                 "distribution.oci", "not allowed with source: nothing is built here to push"
             )
+        if self.model_volume is not None:
+            raise _rule_error("modelVolume", "not allowed with source: no compile Job runs here")
         given = self.source.oci.artifacts
         for arch in self.arches():
             if arch not in given:
@@ -724,6 +798,16 @@ class KernelCacheSpec(BaseModel):
                     f"source.oci.artifacts.{arch}",
                     f"no GPU class of this arch (arches: {', '.join(self.arches())})",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_model_volume(self) -> KernelCacheSpec:
+        """The model's mount and vLLM's writable cache root are two volumes of the Job."""
+        model = self.model_volume
+        if model is not None and model.mount_path.rstrip("/") in self.vllm_cache_roots():
+            raise _rule_error(
+                "modelVolume.mountPath", "is a vllm warmer's cacheRoot: the model is read-only"
+            )
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,11 @@ VALUES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "cert-manager": {"certManager": {"enabled": True}},
     "prometheus-operator": {
-        "prometheus": {"servicemonitor": {"enabled": True}, "prometheusrule": {"enabled": True}}
+        "prometheus": {
+            "servicemonitor": {"enabled": True},
+            "podmonitor": {"enabled": True},
+            "prometheusrule": {"enabled": True},
+        }
     },
     "prometheus-off": {"prometheus": {"enabled": False}},
     "grafana-dashboard": {"prometheus": {"grafanadashboard": {"enabled": True}}},

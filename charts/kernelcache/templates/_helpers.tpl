@@ -156,6 +156,9 @@ from the Deployment, which every install renders.
 {{- if and .Values.prometheus.servicemonitor.enabled (not .Values.prometheus.enabled) -}}
 {{- fail "prometheus.servicemonitor.enabled needs prometheus.enabled (the metrics endpoint it scrapes)" -}}
 {{- end -}}
+{{- if and .Values.prometheus.podmonitor.enabled (not .Values.prometheus.enabled) -}}
+{{- fail "prometheus.podmonitor.enabled needs prometheus.enabled (the switch of every Prometheus resource of the chart)" -}}
+{{- end -}}
 {{- if and .Values.prometheus.prometheusrule.enabled (not .Values.prometheus.enabled) -}}
 {{- fail "prometheus.prometheusrule.enabled needs prometheus.enabled (its alerts read the metrics)" -}}
 {{- end -}}

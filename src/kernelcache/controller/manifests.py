@@ -349,6 +349,10 @@ def compile_job(
         {"name": "spec", "configMap": {"name": configmap_name(kc, digest)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if (model := kc.spec.model_volume) is not None:  # the warmers' model path, as in serving
+        mount = {"name": "model", "mountPath": model.mount_path, "readOnly": True}
+        mounts.append({**mount, "subPath": model.sub_path} if model.sub_path else mount)
+        volumes.append({"name": "model", **model.volume_source()})
     for i, root in enumerate(kc.spec.vllm_cache_roots()):  # vLLM writes its cache there
         mounts.append({"name": f"vllm-root-{i}", "mountPath": root})
         volumes.append({"name": f"vllm-root-{i}", "emptyDir": {}})
