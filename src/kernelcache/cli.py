@@ -197,6 +197,7 @@ def _push(args: argparse.Namespace, kc: Any, arch: str, generation: str | None) 
         generation=generation,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         signing_key=_signing_key(args.signing_key),
     )
     return pushed.ref_digest
@@ -248,6 +249,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             artifacts={a: Path(d) for a, d in _arch_values(args.artifact, "--artifact").items()},
             registry_auth=args.authfile,
             registry_ca=args.ca_file,
+            plain_http=args.plain_http,
             local=args.local,
             want=_arch_values(args.want, "--want"),
             local_wait_seconds=args.local_wait,
@@ -286,6 +288,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             ref=None if args.store is not None else args.want,
             auth=args.authfile,
             ca_file=args.ca_file,
+            plain_http=args.plain_http,
             public_key=args.public_key,
             require_signature=args.require_signature,
         )
@@ -543,6 +546,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         generation=args.generation,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         signing_key=args.signing_key,
         gzip=args.gzip,
     )
@@ -566,6 +570,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         key=args.key,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         public_key=args.public_key,
         require_signature=args.require_signature,
     )
@@ -684,6 +689,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="docker config or .dockerconfigjson with the registry's credentials",
         )
         p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
+        p.add_argument(
+            "--plain-http",
+            action="store_true",
+            help="speak plain HTTP to the registry: only a loopback one (localhost, 127.0.0.1, "
+            "::1) or one named in KERNELCACHE_PLAIN_HTTP_HOSTS",
+        )
 
     def json_arg(p: Any, schema: str) -> None:
         p.add_argument(

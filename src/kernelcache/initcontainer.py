@@ -113,6 +113,7 @@ class Options:
     artifacts: Mapping[str, Path] = field(default_factory=dict)  # an image volume's mount
     registry_auth: Path | None = None
     registry_ca: Path | None = None
+    plain_http: bool = False  # the registry speaks plain HTTP (loopback or allowed hosts)
     local: Path | None = None  # the node's prefetched copies (store.prefetched), tried first
     want: Mapping[str, str] = field(default_factory=dict)  # per arch, the token a copy needs
     local_wait_seconds: float = 0.0
@@ -365,6 +366,7 @@ def _pulled(options: Options, ref: str, target: Path | None) -> Iterator[Path]:
             scratch,
             auth=options.registry_auth,
             ca_file=options.registry_ca,
+            plain_http=options.plain_http,
             public_key=options.public_key,
             require_signature=options.require_signature,
         )
