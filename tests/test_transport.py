@@ -23,6 +23,7 @@ import pytest
 
 from kernelcache import contract
 from kernelcache.distribution import oci, push
+from kernelcache.distribution.transport import Network
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store, verify
 from kernelcache.store.prefetched import find
@@ -233,3 +234,46 @@ def test_a_token_that_expires_during_a_pull_is_renewed_and_the_pull_completes(
         )  # fmt: skip
         assert verify(pulled.gen_dir, key=KEY).ok
         assert len(tokens.granted) - before >= 2  # the first token, and its renewal
+
+
+# --------------------------------------------------------------------------- plain HTTP
+
+
+def test_a_local_registry_over_plain_http_takes_push_and_pull_with_plain_http(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """A ``registry:2`` on localhost without TLS (the proxy, speaking HTTP): push and pull
+    with ``--plain-http``; without it, one line saying what to add."""
+    publish(tmp_path / "source", files=FILES)
+    with running_proxy(registry, tls=False) as proxy:
+        auth = flags(registry, proxy.host, tmp_path)[:2]
+        pushed = run_kernelcache(
+            "push", "--store", str(tmp_path / "source"), "--key", KEY, proxy.repo("kc/plain"),
+            "--plain-http", *auth,
+        )  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        ref = pushed.stdout.strip()
+        pulled = run_kernelcache("pull", ref, "--store", str(tmp_path / "s"), "--plain-http", *auth)
+        assert pulled.returncode == 0, pulled.stderr
+        assert verify(Store(tmp_path / "s").current(KEY), key=KEY).ok
+
+        refused = run_kernelcache("pull", ref, "--store", str(tmp_path / "t"), *auth, **NETWORK)
+    assert refused.returncode == ExitCode.IO, refused.stderr
+    line = one_line_error(refused)
+    assert proxy.host in line and "--plain-http" in line, line
+
+
+def test_plain_http_is_refused_for_a_registry_neither_loopback_nor_allowed(
+    tmp_path: Path,
+) -> None:
+    ref = "registry.example:5000/kc/net@sha256:" + "0" * 64
+    refused = run_kernelcache("pull", ref, "--store", str(tmp_path / "s"), "--plain-http")
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert one_line_error(refused) == (
+        "kernelcache: error: registry.example:5000: --plain-http is for a loopback registry "
+        f"or one named in {contract.PLAIN_HTTP_HOSTS.name}; registry.example:5000 is neither"
+    )
+    allowed = Network(plain_http_hosts=("registry.example:5000",))
+    allowed.check_plain_http("registry.example:5000")  # named: allowed
+    for loopback in ("localhost:5000", "127.0.0.1:5000", "[::1]:5000", "127.3.2.1"):
+        Network().check_plain_http(loopback)
