@@ -88,32 +88,20 @@ def test_two_prefetches_at_once_stay_within_the_limit(tmp_path: Path) -> None:
     big = {f"triton/k{i}.cubin": bytes([i]) * (1 << 20) for i in range(6)}
     gens = {key: publish(shared, key=key, files=big).name for key in (KEY, OTHER)}
     limit = 9 << 20
-    runs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CONCURRENT,
-                "prefetch",
-                "--root",
-                str(local),
-                "--key",
-                key,
-                "--want",
-                gen,
-                "--store",
-                str(shared),
-                "--limit",
-                str(limit),
-            ],
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for key, gen in gens.items()
-    ]
-    results = [(run.wait(timeout=scaled(120)), run.stderr.read()) for run in runs]  # type: ignore[union-attr]
+    runs = []
+    for key, gen in gens.items():
+        command = ["prefetch", "--root", str(local), "--key", key, "--want", gen,
+                   "--store", str(shared), "--limit", str(limit)]  # fmt: skip
+        runs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", CONCURRENT, *command],
+                env=subprocess_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = [(run.wait(timeout=scaled(120)), run.communicate()[1]) for run in runs]
     assert sorted(code for code, _ in results) == [0, ExitCode.IO], results
     refused = next(err for code, err in results if code)
     assert "does not fit the prefetch limit" in refused and len(refused.splitlines()) == 1
