@@ -14,9 +14,11 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -934,17 +936,42 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
     start = time.perf_counter()
-    try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args))
-    except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class to search
-        line, code = error_line(exc), exit_code_of(exc)
+    with _interrupts() as interrupted:
+        try:
+            args = build_parser().parse_args(argv)
+            return int(args.func(args))
+        except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class
+            # A Ctrl-C is the cause of whatever failure it led to on its way out (a warmer's
+            # child ended by it first, a pipe it closed): the exit is 130 all the same.
+            failure: BaseException = KeyboardInterrupt() if interrupted else exc
+            line, code = error_line(failure), exit_code_of(failure)
     print(line, file=sys.stderr)
     failed = getattr(args, "failed", None)
     payload = failed(args, code, line, time.perf_counter() - start) if failed else None
     if _wants_json(argv):
         output.print_json(payload if payload is not None else error_object(code, line))
     return code
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[int]]:
+    """Record every SIGINT this process gets (and raise ``KeyboardInterrupt`` as Python
+    does) while a command runs; only the main thread can take signals."""
+    seen: list[int] = []
+    on_main = threading.current_thread() is threading.main_thread()
+    if not on_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield seen  # not ours to take (a process started with SIGINT ignored keeps it so)
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wants_json(argv: list[str]) -> bool:
