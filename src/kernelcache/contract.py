@@ -15,6 +15,7 @@ init-container image included, reads it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,9 +283,13 @@ STARTED_AT = Variable[float | None](
 )
 
 
+_LABEL = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+_HOST = re.compile(rf"(\[[0-9a-f:.]+\]|{_LABEL}(\.{_LABEL})*)(:[0-9]{{1,5}})?")
+
+
 def _hosts(name: str, text: str) -> tuple[str, ...]:
     hosts = tuple(h.strip().lower() for h in text.split(",") if h.strip())
-    if any("/" in h or " " in h for h in hosts):
+    if not all(_HOST.fullmatch(h) for h in hosts):
         raise SpecError(f"{name}={text!r}: expected registry hosts like registry.local:5000")
     return hosts
 

@@ -5,7 +5,7 @@ A registry or a proxy in front of it can accept a connection and then go silent 
 TLS, before its response headers, in the middle of a blob). Without a deadline a pull, a
 ``verify --pull`` or a node's prefetch then waits for ever, and the pod or the node's status
 says nothing. So every request has a connect deadline (TCP and TLS) and a read deadline (the
-longest silence), from one ``Network`` read from the ``KERNELCACHE_REGISTRY_*`` settings;
+longest silence), from one ``Network`` read from the registry settings of ``contract.Settings``;
 what never reached the registry, and every idempotent request, is tried ``tries`` times
 with a short backoff; a blob that breaks off is resumed where it stopped (``Client.blob``).
 What is still failing after that is one line naming the registry and the step (exit 10).
