@@ -20,6 +20,7 @@ would rest on the digest check alone.
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,12 +46,13 @@ class Network:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Network:
-        settings = contract.Settings.from_env(environ)
+        """The registry settings alone: another variable's bad value is not a pull's."""
+        env = os.environ if environ is None else environ
         return cls(
-            settings.registry_connect_s,
-            settings.registry_read_s,
-            settings.registry_tries,
-            settings.plain_http_hosts,
+            contract.REGISTRY_CONNECT_S.read(env),
+            contract.REGISTRY_READ_S.read(env),
+            contract.REGISTRY_TRIES.read(env),
+            contract.PLAIN_HTTP_HOSTS.read(env),
         )
 
     @property
