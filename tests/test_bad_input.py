@@ -596,6 +596,33 @@ def test_ctrl_c_is_130_and_in_the_table(tmp_path):
     assert not Store(tmp_path / "s").keys()  # nothing half-published
 
 
+@pytest.mark.parametrize("command", ["warm", "build"])
+def test_a_ctrl_c_the_warmers_command_sees_first_is_130_too(tmp_path, command):
+    """A Ctrl-C that reaches the command warmer's process group before (or instead of) the
+    warm: the command dies of it, and the warm, and a build around it, exit 130 as
+    interrupted, never as a failed warm."""
+    started = tmp_path / "started"
+    script = (
+        f"import os, pathlib, time; pathlib.Path({str(started)!r}).write_text(str(os.getpid()))"
+        "; time.sleep(60)"
+    )
+    spec = write_warmer_spec(
+        tmp_path, {"type": "command", "command": [sys.executable, "-c", script]}
+    )
+    args = ["--arch", "sm_90a"] if command == "warm" else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelcache", command, "-f", str(spec), "--store",
+         str(tmp_path / "s"), *args],
+        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_until(lambda: started.exists() and started.read_text(), timeout=120, what="the warmer")
+    os.killpg(int(started.read_text()), signal.SIGINT)  # its own session: the command alone
+    _, err = proc.communicate(timeout=scaled(120))
+    assert proc.returncode == ExitCode.INTERRUPTED, err
+    assert err.strip().splitlines()[-1] == "kernelcache: interrupted"
+    assert not Store(tmp_path / "s").keys()
+
+
 # --- lines that said the wrong thing ----------------------------------------------------------
 
 

@@ -284,6 +284,13 @@ def _truncated_blob(p: Pushed) -> str:
     return p.ref.with_digest(p.digest)
 
 
+def _lengthened_blob(p: Pushed) -> str:
+    path = p.blob(layer_index(p, "files/cute-dsl"))
+    path.chmod(0o644)
+    path.write_bytes(path.read_bytes() + bytes(4096))
+    return p.ref.with_digest(p.digest)
+
+
 def _swapped_layers(p: Pushed) -> str:
     image, config = json.loads(json.dumps(p.image)), json.loads(json.dumps(p.config))
     a, b = layer_index(p, "files/cute-dsl"), layer_index(p, "files/triton")
@@ -354,6 +361,9 @@ class Case:
 CASES = {
     "flipped byte in a blob": Case(_flipped_blob, ExitCode.INTEGRITY, "layer 3 (files/triton"),
     "truncated blob": Case(_truncated_blob, ExitCode.INTEGRITY, "truncated"),
+    "lengthened blob": Case(
+        _lengthened_blob, ExitCode.INTEGRITY, "longer than its descriptor says"
+    ),
     "swapped layers": Case(_swapped_layers, ExitCode.INTEGRITY, "lies outside files/"),
     "swapped layers, signed pull": Case(
         _swapped_layers, ExitCode.SIGNATURE, "unsigned", verify_signature=True

@@ -7,9 +7,11 @@ key.
   target, and a target in a store, are refused.
 - **Re-pointing checks the signature**: a kept generation edited without signing (the spec
   then reverted) is not made current and signed by a signing build: it compiles anew.
-- **Signing follows the key**: a signing build over an unsigned generation, or one signed by
-  a key being rotated out (trusted beside the new one), re-signs without compiling, after
-  a full digest check; a signing key the trusted public keys do not include is refused.
+- **Signing follows the key**: a signing build over one signed by a key being rotated out
+  (trusted beside the new one) re-signs without compiling, after a full digest check; an
+  unsigned generation is never signed by a build that did not make it (every signature
+  deleted and CURRENT forged included): it compiles; a signing key the trusted public keys
+  do not include is refused.
 - **Key rotation** as ``docs/security.md`` gives it: pods keep starting, nothing compiles.
 - ``build --json``'s schema enumerates every status the code can print.
 """
@@ -147,19 +149,48 @@ def test_re_pointing_refuses_a_kept_generation_whose_signature_does_not_verify(
 # --------------------------------------------------------------------------- signing
 
 
-def test_signing_an_unsigned_generation_re_signs_it_without_compiling(
+def test_turning_signing_on_compiles_once_and_signs_what_it_built(
     builds: Builds, tmp_path: Path
 ) -> None:
+    """An unsigned generation is never signed by a build that did not make it: turning
+    signing on costs one warm, whose same content gets the same id, now signed."""
     priv, pub = keys(tmp_path / "keys")
     unsigned = builds.build("v1")
     assert unsigned["signed_by"] is None
 
     signed = builds.build("v1", "--signing-key", str(priv))
 
-    assert signed["status"] == "re-signed" and builds.compiles() == 1
+    assert signed["status"] == "published" and builds.compiles() == 2
     assert signed["generation"] == unsigned["generation"]
     assert verify(builds.current(), public_key=pub, require_signature=True).ok
     assert builds.build("v1", "--signing-key", str(priv))["status"] == "up-to-date"
+
+
+def test_every_signature_deleted_and_current_forged_is_not_signed_by_the_next_build(
+    builds: Builds, tmp_path: Path
+) -> None:
+    """Someone who can write the volume deletes every signature of the key, so it looks as
+    if signing was never on, and points CURRENT at an edited generation. The next signing
+    build must not take that for "signing just turned on": it compiles, signs what it
+    built, and a pod requiring a signature reads the kernel that was built, never EVIL."""
+    priv, pub = keys(tmp_path / "keys")
+    builds.build("v0", "--signing-key", str(priv))
+    builds.build("v1", "--signing-key", str(priv))
+    for sig in Store(builds.store).key_dir(KEY).glob(f"*/{SIGNATURE_NAME}"):
+        sig.unlink()
+    forged = forge(builds.current(), KERNEL, b"EVIL")
+    (Store(builds.store).key_dir(KEY) / "CURRENT").write_text(forged.name + "\n")
+    assert builds.current() == forged
+
+    again = builds.build("v1", "--signing-key", str(priv))
+
+    assert again["status"] == "published" and builds.compiles() == 3
+    assert again["generation"] != forged.name
+    assert not verify(forged, public_key=pub, require_signature=True).ok  # never signed
+    target = tmp_path / "pod"
+    proc = builds.pod(target, "--public-key", str(pub), "--require-signature")
+    assert proc.returncode == 0, proc.stderr
+    assert (target / str(again["generation"]) / "files" / KERNEL).read_bytes() == b"kernel v1"
 
 
 def test_an_unsigned_current_generation_among_signed_ones_is_compiled_anew(

@@ -29,7 +29,13 @@ from kernelcache import progress
 from kernelcache import stamp as stamps
 from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
-from kernelcache.errors import ExitCode, SignatureError, StorageError, one_line
+from kernelcache.errors import (
+    ExitCode,
+    SignatureError,
+    StorageError,
+    ended_by_interrupt,
+    one_line,
+)
 from kernelcache.spec import KernelCache
 from kernelcache.store import Manifest, Store, fingerprint
 from kernelcache.toolchains import is_tuning_file, make_warmers
@@ -342,6 +348,8 @@ def _warm_in_subprocess(
                     ours = False
                 elif line.strip():
                     on_output(line)
+        if ended_by_interrupt(proc.returncode):
+            raise KeyboardInterrupt  # the warm saw the Ctrl-C first: so is this build
         if result_path.exists():
             return ArchResult(**json.loads(result_path.read_text()))
         return ArchResult(

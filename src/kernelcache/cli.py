@@ -14,9 +14,11 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,7 @@ def _push(args: argparse.Namespace, kc: Any, arch: str, generation: str | None) 
         generation=generation,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         signing_key=_signing_key(args.signing_key),
     )
     return pushed.ref_digest
@@ -248,6 +251,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             artifacts={a: Path(d) for a, d in _arch_values(args.artifact, "--artifact").items()},
             registry_auth=args.authfile,
             registry_ca=args.ca_file,
+            plain_http=args.plain_http,
             local=args.local,
             want=_arch_values(args.want, "--want"),
             local_wait_seconds=args.local_wait,
@@ -286,6 +290,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             ref=None if args.store is not None else args.want,
             auth=args.authfile,
             ca_file=args.ca_file,
+            plain_http=args.plain_http,
             public_key=args.public_key,
             require_signature=args.require_signature,
         )
@@ -543,6 +548,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         generation=args.generation,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         signing_key=args.signing_key,
         gzip=args.gzip,
     )
@@ -566,6 +572,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         key=args.key,
         auth=args.authfile,
         ca_file=args.ca_file,
+        plain_http=args.plain_http,
         public_key=args.public_key,
         require_signature=args.require_signature,
     )
@@ -684,6 +691,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="docker config or .dockerconfigjson with the registry's credentials",
         )
         p.add_argument("--ca-file", type=_path, help="CA bundle the registry's TLS must chain to")
+        p.add_argument(
+            "--plain-http",
+            action="store_true",
+            help="speak plain HTTP to the registry: only a loopback one (localhost, 127.0.0.1, "
+            "::1) or one named in KERNELCACHE_PLAIN_HTTP_HOSTS",
+        )
 
     def json_arg(p: Any, schema: str) -> None:
         p.add_argument(
@@ -923,17 +936,42 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
     start = time.perf_counter()
-    try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args))
-    except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class to search
-        line, code = error_line(exc), exit_code_of(exc)
+    with _interrupts() as interrupted:
+        try:
+            args = build_parser().parse_args(argv)
+            return int(args.func(args))
+        except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class
+            # A Ctrl-C is the cause of whatever failure it led to on its way out (a warmer's
+            # child ended by it first, a pipe it closed): the exit is 130 all the same.
+            failure: BaseException = KeyboardInterrupt() if interrupted else exc
+            line, code = error_line(failure), exit_code_of(failure)
     print(line, file=sys.stderr)
     failed = getattr(args, "failed", None)
     payload = failed(args, code, line, time.perf_counter() - start) if failed else None
     if _wants_json(argv):
         output.print_json(payload if payload is not None else error_object(code, line))
     return code
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[int]]:
+    """Record every SIGINT this process gets (and raise ``KeyboardInterrupt`` as Python
+    does) while a command runs; only the main thread can take signals."""
+    seen: list[int] = []
+    on_main = threading.current_thread() is threading.main_thread()
+    if not on_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield seen  # not ours to take (a process started with SIGINT ignored keeps it so)
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wants_json(argv: list[str]) -> bool:

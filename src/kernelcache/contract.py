@@ -15,6 +15,7 @@ init-container image included, reads it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +288,48 @@ STARTED_AT = Variable[float | None](
     "when the measured process started (seconds since the epoch), for start-up timings",
     _count(float, 0),
 )
+
+
+_LABEL = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+_HOST = re.compile(rf"(\[[0-9a-f:.]+\]|{_LABEL}(\.{_LABEL})*)(:[0-9]{{1,5}})?")
+
+
+def _hosts(name: str, text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip().lower() for h in text.split(",") if h.strip())
+    if not all(_HOST.fullmatch(h) for h in hosts):
+        raise SpecError(f"{name}={text!r}: expected registry hosts like registry.local:5000")
+    return hosts
+
+
+REGISTRY_CONNECT_S = Variable(
+    "KERNELCACHE_REGISTRY_CONNECT_S",
+    10.0,
+    "seconds a registry (or its token service, or where it redirects) has to accept a "
+    "connection and finish TLS",
+    _count(float, 0),
+)
+REGISTRY_READ_S = Variable(
+    "KERNELCACHE_REGISTRY_READ_S",
+    30.0,
+    "seconds a registry may stay silent: before its response headers, or within a blob",
+    _count(float, 0),
+)
+REGISTRY_TRIES = Variable(
+    "KERNELCACHE_REGISTRY_TRIES",
+    3,
+    "tries of each registry step (a connection, a request, a blob resumed where it broke) "
+    "before it fails",
+    _count(int, 1),
+)
+PLAIN_HTTP_HOSTS = Variable[tuple[str, ...]](
+    "KERNELCACHE_PLAIN_HTTP_HOSTS",
+    (),
+    "registries (host[:port], comma-separated) that --plain-http may speak to besides "
+    "loopback ones",
+    _hosts,
+)
+
+
 # Given to a command warmer's process (``toolchains.command``), never read by kernelcache itself;
 # the arch is ``ARCH``'s name.
 WARM_FILES = Variable[str | None](
@@ -327,6 +370,10 @@ class Settings:
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
     cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
     started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default
+    registry_connect_s: Annotated[float, REGISTRY_CONNECT_S] = REGISTRY_CONNECT_S.default
+    registry_read_s: Annotated[float, REGISTRY_READ_S] = REGISTRY_READ_S.default
+    registry_tries: Annotated[int, REGISTRY_TRIES] = REGISTRY_TRIES.default
+    plain_http_hosts: Annotated[tuple[str, ...], PLAIN_HTTP_HOSTS] = PLAIN_HTTP_HOSTS.default
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

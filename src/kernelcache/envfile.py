@@ -26,6 +26,9 @@ from kernelcache.errors import StorageError, one_line
 
 log = logging.getLogger(__name__)
 
+# The hidden files ``write`` renames into place: a run killed midway leaves them.
+TEMPORARY = tuple(f".{name}." for name in (contract.REPORT_FILE, contract.ENV_FILE))
+
 
 def write(
     target: Path, values: Mapping[contract.Variable[Any], str], report: Mapping[str, Any]
@@ -39,7 +42,7 @@ def write(
         (contract.REPORT_FILE, json.dumps(report, indent=1) + "\n"),
         (contract.ENV_FILE, "\n".join(lines) + "\n"),
     ):
-        replace_synced(target / name, data.encode(), f".{name}.")
+        replace_synced(target / name, data.encode(), f".{name}.")  # in TEMPORARY
 
 
 def remove(target: Path) -> None:

@@ -8,6 +8,7 @@ carries a one-line message that names the file, factor or field at fault.
 from __future__ import annotations
 
 import re
+import signal
 from enum import IntEnum
 
 
@@ -139,6 +140,13 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         return int(ExitCode.INTERRUPTED)
     return int(ExitCode.FAILURE)
+
+
+def ended_by_interrupt(returncode: int | None) -> bool:
+    """Whether a child process ended because of a Ctrl-C: killed by SIGINT, or exiting 130
+    as shells and kernelcache do after one. Its parent is interrupted too, whichever of the
+    two saw the signal first."""
+    return returncode in (-signal.SIGINT, ExitCode.INTERRUPTED)
 
 
 def error_object(code: int, message: str) -> dict[str, object]:

@@ -37,7 +37,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from kernelcache.store import (
     CURRENT_NAME,
     Manifest,
     Store,
+    claimed,
     load_public_keys,
     materialize,
     prefetched,
@@ -81,6 +82,8 @@ __all__ = [
 ]
 
 TERMINATION_LOG = Path("/dev/termination-log")
+# Where ``--pull`` lands the artifact in the target before the copy (removed after it).
+_PULLED = ".pulled"
 # Kubernetes keeps at most 4096 bytes of a termination message.
 _TERMINATION_LIMIT = 4096
 
@@ -113,6 +116,7 @@ class Options:
     artifacts: Mapping[str, Path] = field(default_factory=dict)  # an image volume's mount
     registry_auth: Path | None = None
     registry_ca: Path | None = None
+    plain_http: bool = False  # the registry speaks plain HTTP (loopback or allowed hosts)
     local: Path | None = None  # the node's prefetched copies (store.prefetched), tried first
     want: Mapping[str, str] = field(default_factory=dict)  # per arch, the token a copy needs
     local_wait_seconds: float = 0.0
@@ -184,8 +188,20 @@ def run(
         raise SpecError("verify: give --key NAMESPACE/NAME/ARCH, or --namespace and --name")
     # Absolute: the serving container reads KERNELCACHE_DIR from another working directory.
     target = options.materialize.absolute() if options.materialize is not None else None
-    if target is not None:
-        envfile.remove(target)
+    with ExitStack() as held:
+        if target is not None:
+            sources = [p for p in (options.store, options.local) if p is not None]
+            held.enter_context(claimed(target, (*envfile.TEMPORARY, _PULLED), sources))
+            envfile.remove(target)
+        return _run(options, target, env, label_reader)
+
+
+def _run(
+    options: Options,
+    target: Path | None,
+    env: Mapping[str, str] | None,
+    label_reader: LabelReader | None,
+) -> Outcome:
     public_key = None
     if options.public_key is not None:
         public_key = load_public_keys(options.public_key)
@@ -358,13 +374,14 @@ def _pulled(options: Options, ref: str, target: Path | None) -> Iterator[Path]:
 
     if target is None:
         raise SpecError("--pull needs --materialize: the artifact is pulled beside the copy")
-    scratch = target / ".pulled"
+    scratch = target / _PULLED
     try:
         result = pull(
             ref,
             scratch,
             auth=options.registry_auth,
             ca_file=options.registry_ca,
+            plain_http=options.plain_http,
             public_key=options.public_key,
             require_signature=options.require_signature,
         )

@@ -13,7 +13,13 @@ fetched) until the new one fits; never one that a ``.wanted`` entry names (what 
 KernelCache serves now) and never one an init-container is reading (it holds a shared
 lock). A generation that cannot fit is not kept: the fetch fails with one line and the
 copies already there stay as they were, so a full disk never touches a running pod (pods
-hold their own copy in their emptyDir) and new pods fall back to their source.
+hold their own copy in their emptyDir) and new pods fall back to their source. Prefetches
+on one node take turns under the root's ``.lock``, so two at once cannot both admit a copy
+into the same free space.
+
+A copy already here counts only when it verifies (every digest; its signature with a key):
+a damaged one is fetched again. A copy carries the generation's signature, so pods that
+require one can verify it.
 """
 
 from __future__ import annotations
@@ -21,14 +27,19 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kernelcache.errors import StorageError
-from kernelcache.store import Manifest, Store, materialize, verify
+from kernelcache.store import Manifest, Store, load_public_keys, materialize, verify
 from kernelcache.store.fs import io_errors
 from kernelcache.store.layout import MANIFEST_NAME
+from kernelcache.store.locking import lock
 from kernelcache.store.prefetched import (
+    LOCK_NAME,
     Wanted,
     all_wanted,
     copies,
@@ -36,6 +47,11 @@ from kernelcache.store.prefetched import (
     find,
     write_wanted,
 )
+from kernelcache.store.signing import PublicKeyLike
+
+# How long a prefetch waits for another one on the node (a pull of a large generation) to
+# finish before it fails (exit 12); the kubelet runs it again.
+LOCK_WAIT_S = 1800.0
 
 
 @dataclass
@@ -47,10 +63,13 @@ class Synced:
     fetched: bool  # False: the node had it already
     evicted: list[str] = field(default_factory=list)
     used_bytes: int = 0
+    repaired: str | None = None  # why the copy that was here did not verify
 
     @property
     def summary(self) -> str:
-        what = "fetched" if self.fetched else "already here"
+        what = "fetched" if self.fetched else "already here, verified"
+        if self.repaired is not None:
+            what = f"fetched again (the copy here did not verify: {self.repaired})"
         gone = f"; evicted {', '.join(self.evicted)}" if self.evicted else ""
         return (
             f"{self.key}: generation {self.wanted.generation} ({self.wanted.token}) {what}; "
@@ -68,71 +87,130 @@ def sync(
     ref: str | None = None,
     auth: Path | None = None,
     ca_file: Path | None = None,
+    plain_http: bool = False,
     public_key: Path | None = None,
     require_signature: bool = False,
     workers: int | None = None,
+    lock_wait_s: float = LOCK_WAIT_S,
 ) -> Synced:
-    """Make ``key``'s copy for ``token`` present under ``root``, within ``limit_bytes``.
+    """Make ``key``'s copy for ``token`` present and intact under ``root``, within
+    ``limit_bytes``.
 
     ``ref`` pulls it from a registry (the token is the ref); else ``store`` copies the
     generation named ``token`` of ``key`` out of the shared store, checked as it is copied.
+    A copy already here is verified whole (with ``public_key``, its signature too) and
+    fetched again when it does not verify. Prefetches of one node take turns (``.lock``,
+    waited for up to ``lock_wait_s``), so the bound holds however many run at once.
     """
     root = Path(root)
     with io_errors(root):
         root.mkdir(parents=True, exist_ok=True)
-    if (have := find(root, key, token)) is not None:
-        return Synced(key, have, False, used_bytes=used(root))
-    evicted: list[str] = []
-    if ref is not None:
-        wanted = _pull(root, key, ref, auth, ca_file, public_key, require_signature, workers)
-        size = _size(wanted.gen_dir(root))
-        evicted += _make_room(root, 0, limit_bytes, keep={wanted.gen_dir(root)}, new=size)
-    else:
-        if store is None:
-            raise ValueError("sync needs a store or a ref")
-        gen_dir = Store(store).key_dir(key) / token
-        result = verify(gen_dir, key=key, digests=False)  # the copy checks every digest
-        result.raise_for_problems()
-        manifest = result.manifest
-        assert manifest is not None
-        evicted += _make_room(root, manifest.total_bytes, limit_bytes, keep=set(), new=0)
-        materialize(result, root / key, workers=workers)
-        wanted = Wanted(token, key, manifest.generation)
-    write_wanted(root, key, wanted)
-    return Synced(key, wanted, True, evicted, used(root))
+    trusted = load_public_keys(public_key) if public_key is not None else None
+    with _node_lock(root, lock_wait_s):
+        repaired = None
+        if (have := find(root, key, token)) is not None:
+            problem = _damage(have, root, trusted, require_signature, workers)
+            if problem is None:
+                return Synced(key, have, False, used_bytes=used(root))
+            repaired = problem
+            _remove_copy(have.gen_dir(root))
+        evicted: list[str] = []
+        if ref is not None:
+            pulled = _pull(
+                root,
+                key,
+                ref,
+                auth=auth,
+                ca_file=ca_file,
+                plain_http=plain_http,
+                public_key=trusted,
+                require_signature=require_signature,
+                workers=workers,
+            )
+            gen_dir = pulled.gen_dir(root)
+            evicted += _make_room(root, 0, limit_bytes, keep={gen_dir}, new=_size(gen_dir))
+            wanted = pulled
+        else:
+            if store is None:
+                raise ValueError("sync needs a store or a ref")
+            gen_dir = Store(store).key_dir(key) / token
+            # The copy checks every digest; the signature is checked here, and travels.
+            result = verify(
+                gen_dir,
+                key=key,
+                public_key=trusted,
+                require_signature=require_signature,
+                digests=False,
+            )
+            result.raise_for_problems()
+            manifest = result.manifest
+            assert manifest is not None
+            evicted += _make_room(root, manifest.total_bytes, limit_bytes, keep=set(), new=0)
+            materialize(result, root / key, workers=workers)
+            wanted = Wanted(token, key, manifest.generation, key)
+        write_wanted(root, key, wanted)
+        return Synced(key, wanted, True, evicted, used(root), repaired)
+
+
+@contextmanager
+def _node_lock(root: Path, wait_s: float) -> Iterator[None]:
+    """The node's prefetch lock: admission, fetch and eviction one prefetch at a time."""
+    path = root / LOCK_NAME
+    with io_errors(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        lock(fd, path, f"{root}: another prefetch", wait_s)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _damage(
+    have: Wanted,
+    root: Path,
+    trusted: PublicKeyLike | None,
+    require_signature: bool,
+    workers: int | None,
+) -> str | None:
+    """Why the copy a key names does not verify (every digest, its signature), or None."""
+    checked = verify(
+        have.gen_dir(root),
+        key=have.key,
+        public_key=trusted,
+        require_signature=require_signature,
+        workers=workers,
+    )
+    return None if checked.ok else checked.problems[0].message
+
+
+def _remove_copy(gen_dir: Path) -> None:
+    """Move a damaged copy aside and remove it (a reader holding it keeps its files)."""
+    trash = gen_dir.parent / f".damaged-{secrets.token_hex(4)}"
+    with io_errors(gen_dir):
+        os.rename(gen_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _pull(
     root: Path,
     key: str,
     ref: str,
-    auth: Path | None,
-    ca_file: Path | None,
-    public_key: Path | None,
-    require_signature: bool,
-    workers: int | None,
+    **options: Any,
 ) -> Wanted:
-    """Pull into a store of its own beside the copies, then move the generation in: the
-    copies' layout is ``<key>/<generation>`` whatever key the artifact was built for."""
+    """Pull into a store of its own beside the copies, then move the generation in under
+    ``key``, the key it is fetched for (whatever key the artifact was built for)."""
     from kernelcache.distribution import pull
 
     scratch = root / f".pull-{secrets.token_hex(4)}"
     try:
-        pulled = pull(
-            ref,
-            scratch,
-            auth=auth,
-            ca_file=ca_file,
-            public_key=public_key,
-            require_signature=require_signature,
-            workers=workers,
-        )
-        final = root / pulled.key / pulled.generation
+        pulled = pull(ref, scratch, **options)
+        final = root / key / pulled.generation
         with io_errors(final):
             final.parent.mkdir(parents=True, exist_ok=True)
-            if not (final / MANIFEST_NAME).is_file():
-                os.rename(pulled.gen_dir, final)
-        return Wanted(ref, pulled.key, pulled.generation)
+            if os.path.lexists(final):
+                _remove_copy(final)  # a copy no entry names (evicted from .wanted): replaced
+            os.rename(pulled.gen_dir, final)
+        return Wanted(ref, pulled.key, pulled.generation, key)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -40,6 +40,7 @@ class TokenService:
     cert_file: Path  # the signing certificate the registry trusts (rootcertbundle)
     granted: list[str] = field(default_factory=list)  # "user scope" of every token issued
     refused: int = 0  # requests with wrong or no credentials
+    lifetime: int = 300  # seconds from issue to a token's exp (the registry allows 60 more)
 
 
 def _b64(data: bytes) -> str:
@@ -66,7 +67,11 @@ def _signing_key(folder: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certifi
 
 
 def _token(
-    key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, user: str, scopes: list[str]
+    key: ec.EllipticCurvePrivateKey,
+    cert: x509.Certificate,
+    user: str,
+    scopes: list[str],
+    lifetime: int,
 ) -> str:
     """A JWT as distribution checks it: issuer, audience (the service), times, and an
     ``access`` claim per scope ``repository:NAME:ACTIONS``."""
@@ -82,8 +87,8 @@ def _token(
         "x5c": [base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()],
     }
     claims = {
-        "iss": ISSUER, "sub": user, "aud": SERVICE, "exp": now + 300, "nbf": now - 10,
-        "iat": now, "jti": secrets.token_hex(8), "access": access,
+        "iss": ISSUER, "sub": user, "aud": SERVICE, "exp": now + lifetime,
+        "nbf": now - 70, "iat": now - 70, "jti": secrets.token_hex(8), "access": access,
     }  # fmt: skip
     signing_input = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
     r, s = decode_dss_signature(key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
@@ -108,7 +113,7 @@ def running_token_service(
                 return
             scopes = query.get("scope", [])
             service.granted.extend(f"{user} {scope}" for scope in scopes)
-            token = _token(key, cert, user, scopes)
+            token = _token(key, cert, user, scopes, service.lifetime)
             self._reply(200, {"token": token, "access_token": token, "expires_in": 300})
 
         def _user(self) -> str | None:

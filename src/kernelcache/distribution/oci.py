@@ -42,7 +42,7 @@ from kernelcache.distribution.artifact import Descriptor, ImageManifest
 from kernelcache.distribution.auth import AuthLike
 from kernelcache.distribution.reference import Reference
 from kernelcache.distribution.registry import Client
-from kernelcache.distribution.tarstream import Content, read_layer
+from kernelcache.distribution.tarstream import Content, read_layer, too_long
 from kernelcache.errors import (
     IntegrityError,
     ManifestError,
@@ -120,6 +120,7 @@ def push(
     generation: str | None = None,
     auth: AuthLike = None,
     ca_file: str | os.PathLike[str] | None = None,
+    plain_http: bool = False,
     signing_key: PrivateKeyLike | None = None,
     gzip: bool = False,
     workers: int | None = None,
@@ -131,7 +132,8 @@ def push(
     store). With ``signing_key`` the metadata layer carries MANIFEST.json's signature by that
     key and the manifest digest is signed under cosign's tag scheme; without, the
     generation's own signature, if any, travels as it is. ``ca_file``: the
-    CA bundle the registry's certificate must chain to (default: the system's). Failures are
+    CA bundle the registry's certificate must chain to (default: the system's); ``plain_http``:
+    speak HTTP to a loopback or allowed registry (``transport.Network``). Failures are
     KernelCacheErrors of their class: a missing generation (3), one that does not verify
     (5–8), a registry unreachable or refusing the credentials (10), a bad reference (2).
     """
@@ -145,7 +147,7 @@ def push(
     assert manifest is not None
     signer = private_key(signing_key)
     tag = reference.tag or manifest.generation
-    client = Client(reference, auth, ca_file, actions="pull,push")
+    client = Client(reference, auth, ca_file, actions="pull,push", plain_http=plain_http)
     with tempfile.TemporaryDirectory(prefix="kernelcache-push-") as scratch:
         layers = _build_layers(gen_dir, manifest, Path(scratch), signer, gzip, workers)
         config = artifact.image_config(manifest, [layer.diff_id for layer in layers])
@@ -286,12 +288,13 @@ def describe(
     *,
     auth: AuthLike = None,
     ca_file: str | os.PathLike[str] | None = None,
+    plain_http: bool = False,
     public_key: PublicKeyLike | None = None,
 ) -> Artifact:
     """Read ``ref``'s manifest (by digest), check its bytes against the digest and, with
     ``public_key``, its signature: what a consumer records before it pulls or mounts it (the
     generation id names an image volume's mount, so that ``verify --key`` holds)."""
-    reference, _, image, public = _open(ref, auth, ca_file, public_key, False)
+    reference, _, image, public = _open(ref, auth, ca_file, plain_http, public_key, False)
     assert reference.digest is not None
     return Artifact(
         ref_digest=reference.with_digest(reference.digest),
@@ -308,6 +311,7 @@ def _open(
     ref: str,
     auth: AuthLike,
     ca_file: str | os.PathLike[str] | None,
+    plain_http: bool,
     public_key: PublicKeyLike | None,
     require_signature: bool,
 ) -> tuple[Reference, Client, ImageManifest, Trusted | None]:
@@ -323,7 +327,7 @@ def _open(
     public = _public_key(public_key)
     if require_signature and public is None:
         raise SignatureError(f"{name}: a signature is required but no public key was given")
-    client = Client(reference, auth, ca_file)
+    client = Client(reference, auth, ca_file, plain_http=plain_http)
     data, _ = client.get_manifest(digest, (artifact.MANIFEST_MEDIA_TYPE,))
     if (served := artifact.digest_of(data)) != digest:
         raise IntegrityError(f"{name}: manifest digest mismatch: the registry served {served}")
@@ -342,6 +346,7 @@ def pull(
     key: CacheKey | str | None = None,
     auth: AuthLike = None,
     ca_file: str | os.PathLike[str] | None = None,
+    plain_http: bool = False,
     public_key: PublicKeyLike | None = None,
     require_signature: bool = False,
     keep: int = 2,
@@ -361,7 +366,9 @@ def pull(
     layer is fetched (a node's prefetch pulls the same digest again and again).
     """
     started = time.monotonic()
-    reference, client, image, public = _open(ref, auth, ca_file, public_key, require_signature)
+    reference, client, image, public = _open(
+        ref, auth, ca_file, plain_http, public_key, require_signature
+    )
     assert reference.digest is not None
     name = reference.with_digest(reference.digest)
     if key is not None and image.key != str(key):
@@ -456,7 +463,7 @@ def _bounded(chunks: Iterator[bytes], limit: int, what: str) -> Iterator[bytes]:
     for chunk in chunks:
         total += len(chunk)
         if total > limit:
-            raise IntegrityError(f"{what}: larger than its descriptor's {limit} bytes")
+            raise too_long(what, limit)
         yield chunk
 
 

@@ -5,20 +5,23 @@ What this layer adds and why: manifests are sent and read as bytes (oras-py re-s
 dict, and a manifest's digest is that of its exact bytes); requests are not retried with
 oras-py's backoff (minutes before an unreachable registry is reported); credentials are
 sent from the first request (a basic-auth registry would otherwise see every body twice);
-blobs are read as urllib3 receives them (its decoding buffer copies every byte); every
-failure becomes one line of its exit class.
+blobs are read as urllib3 receives them (its decoding buffer copies every byte), and one
+that breaks off is asked for again from where it stopped; every step has the deadlines and
+tries of ``transport.Network``; every failure becomes one line of its exit class, naming the
+registry and the step.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kernelcache.distribution.auth import AuthLike, credentials_for, where_looked
 from kernelcache.distribution.reference import Reference
+from kernelcache.distribution.transport import Network, configure, step_of
 from kernelcache.errors import (
     IntegrityError,
     KernelCacheError,
@@ -54,12 +57,22 @@ class Client:
         auth: AuthLike = None,
         ca_file: str | os.PathLike[str] | None = None,
         actions: str = "pull",
+        *,
+        plain_http: bool = False,
+        network: Network | None = None,
     ) -> None:
         oras = _oras()
         self.ref = ref
+        self.network = Network.from_env() if network is None else network
+        if plain_http:
+            self.network.check_plain_http(ref.registry)
+        self._scheme = "http" if plain_http else "https"
         self._actions = actions  # what a token registry is asked to grant: pull, or pull,push
         self._verify: bool | str = os.fspath(ca_file) if ca_file is not None else True
-        self._registry = _unretried_registry(oras)(hostname=ref.registry, tls_verify=self._verify)
+        self._registry = _unretried_registry(oras)(
+            hostname=ref.registry, insecure=plain_http, tls_verify=self._verify
+        )
+        configure(self._registry.session, self.network, ref.registry)
         self._container = oras.container.Container(ref.name)
         self._auth = auth
         self._credentials = credentials_for(ref.registry, auth)
@@ -68,30 +81,51 @@ class Client:
     # ---------------------------------------------------------------- requests
 
     def _url(self, path: str) -> str:
-        return f"https://{self.ref.registry}/v2/{self.ref.repository}/{path}"
+        return f"{self._scheme}://{self.ref.registry}/v2/{self.ref.repository}/{path}"
 
     def _request(self, method: str, url: str, **kwargs: Any) -> Any:
         """One request, authenticated."""
         self._ensure_authenticated()
-        with self._transport_errors():
+        with self._transport_errors(f"{method} {step_of(url)}"):
             try:
                 return self._registry.do_request(url, method, **kwargs)
             except ValueError as exc:  # oras-py: an authentication challenge it cannot answer
                 raise StorageError(f"{self.ref.registry}: {one_line(exc)}") from exc
 
     @contextmanager
-    def _transport_errors(self) -> Iterator[None]:
-        """A failure to reach the registry as one StorageError line (exit class IO)."""
+    def _transport_errors(self, step: str) -> Iterator[None]:
+        """A failure to reach the registry as one StorageError line (exit class IO) naming
+        the registry and the step; the transport has tried ``network.tries`` times."""
         import requests
+        import urllib3
 
+        net, host = self.network, self.ref.registry
+        tries = f"{net.tries} {'try' if net.tries == 1 else 'tries'}"
         try:
             yield
-        except requests.exceptions.SSLError as exc:
-            raise StorageError(
-                f"{self.ref.registry}: TLS refused: {_reason(exc)} (a CA bundle: --ca-file)"
-            ) from exc
         except requests.exceptions.RequestException as exc:
-            raise StorageError(f"{self.ref.registry}: unreachable: {_reason(exc)}") from exc
+            # urllib3's reason: after its retries a timeout reaches requests as MaxRetryError.
+            reason = getattr(exc.args[0] if exc.args else None, "reason", exc)
+            if isinstance(exc, requests.exceptions.ConnectTimeout) or isinstance(
+                reason, urllib3.exceptions.ConnectTimeoutError
+            ):
+                why = f"no connection within {net.connect_s:g} s, {tries}"
+            elif isinstance(exc, requests.exceptions.Timeout) or isinstance(
+                reason, urllib3.exceptions.ReadTimeoutError
+            ):
+                why = (
+                    f"no answer: no TLS handshake within {net.connect_s:g} s or no response "
+                    f"within {net.read_s:g} s, {tries}"
+                )
+            elif isinstance(exc, requests.exceptions.SSLError):
+                detail = _reason(exc)
+                hint = "a CA bundle: --ca-file"
+                if "WRONG_VERSION_NUMBER" in detail.upper() or "record layer" in detail:
+                    hint = "it answers plain HTTP: --plain-http, for a loopback or allowed registry"
+                why = f"TLS refused: {detail} ({hint})"
+            else:
+                why = f"unreachable: {_reason(exc)}, {tries}"
+            raise StorageError(f"{host}: {step}: {why}") from exc
 
     def _ensure_authenticated(self) -> None:
         """Pick oras-py's backend from the registry's challenge to ``/v2/``: a token service
@@ -101,9 +135,9 @@ class Client:
         first."""
         if self._authenticated:
             return
-        with self._transport_errors():
+        with self._transport_errors("GET /v2/"):
             ping = self._registry.session.get(
-                f"https://{self.ref.registry}/v2/", verify=self._verify
+                f"{self._scheme}://{self.ref.registry}/v2/", verify=self._verify
             )
         self._authenticated = True
         challenge = ping.headers.get("Www-Authenticate", "")
@@ -131,7 +165,7 @@ class Client:
         oras-py's token flow; refused credentials are one line naming the realm."""
         header = _oras().auth.utils.parse_auth_header(challenge)
         header.scope = f"repository:{self.ref.repository}:{self._actions}"
-        with self._transport_errors():
+        with self._transport_errors(f"a token from {header.realm}"):
             token = self._registry.auth.request_token(header)
         if not token:
             raise StorageError(
@@ -141,7 +175,7 @@ class Client:
         self._registry.auth.set_token_auth(token)
 
     def _check(self, response: Any, what: str) -> None:
-        if response.status_code in (200, 201, 202):
+        if response.status_code in (200, 201, 202, 206):
             return
         status = response.status_code
         if status in (401, 403):
@@ -185,34 +219,70 @@ class Client:
         layer = {"digest": digest, "size": size}
         self._ensure_authenticated()
         try:
-            response = self._registry.upload_blob(
-                os.fspath(path), self._container, layer, do_chunked=size > CHUNK, chunk_size=CHUNK
-            )
+            with self._transport_errors(f"upload of blob {digest}"):
+                response = self._registry.upload_blob(
+                    os.fspath(path),
+                    self._container,
+                    layer,
+                    do_chunked=size > CHUNK,
+                    chunk_size=CHUNK,
+                )
         except ValueError as exc:  # oras-py: an upload session it could not follow
             raise StorageError(f"{self.ref.name}: blob {digest}: {one_line(exc)}") from exc
         self._check(response, f"{self.ref.name}: blob {digest}")
 
     @contextmanager
     def blob(self, digest: str, what: str) -> Iterator[Iterator[bytes]]:
-        """A blob's bytes as they arrive (unchecked: the caller hashes them)."""
-        response = self._request("GET", self._url(f"blobs/{digest}"), stream=True)
-        with response:
-            if response.status_code == 404:
-                raise IntegrityError(f"{what}: missing from the registry")
-            self._check(response, what)
-            yield self._chunks(response, what)
+        """A blob's bytes as they arrive (unchecked: the caller hashes them). One that
+        breaks off or goes silent is asked for again from the byte where it stopped
+        (``Range``), up to ``network.tries`` times in all."""
+        chunks = self._chunks(digest, what)
+        try:
+            yield chunks
+        finally:
+            chunks.close()
 
-    def _chunks(self, response: Any, what: str) -> Iterator[bytes]:
+    def _chunks(self, digest: str, what: str) -> Generator[bytes, None, None]:
         import requests
         import urllib3
 
-        # A blob is bytes as stored: read it as urllib3 receives it (decoding, with its copy
-        # into a buffer, only for a registry that sends it content-encoded).
-        encoded = response.headers.get("Content-Encoding", "identity").lower() != "identity"
-        try:
-            yield from response.raw.stream(READ_CHUNK, decode_content=encoded)
-        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as exc:
-            raise StorageError(f"{what}: the download broke off: {_reason(exc)}") from exc
+        received, tries = 0, 0
+        while True:
+            tries += 1
+            headers = {"Range": f"bytes={received}-"} if received else {}
+            response = self._request(
+                "GET", self._url(f"blobs/{digest}"), stream=True, headers=headers
+            )
+            with response:
+                if response.status_code == 404:
+                    raise IntegrityError(f"{what}: missing from the registry")
+                self._check(response, what)
+                if received and response.status_code != 206:
+                    raise StorageError(
+                        f"{what}: broke off at byte {received} and the "
+                        f"registry cannot resume it (HTTP {response.status_code} to a Range)"
+                    )
+                # A blob is bytes as stored: read it as urllib3 receives it (decoding, with
+                # its copy into a buffer, only for a registry that sends it content-encoded).
+                encoded = response.headers.get("Content-Encoding", "identity") != "identity"
+                try:
+                    for chunk in response.raw.stream(READ_CHUNK, decode_content=encoded):
+                        received += len(chunk)
+                        yield chunk
+                    return
+                except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as exc:
+                    if tries < self.network.tries and not encoded:
+                        continue
+                    stalled = isinstance(exc, urllib3.exceptions.ReadTimeoutError)
+                    why = (
+                        f"silent for {self.network.read_s:g} s"
+                        if stalled
+                        else f"broke off: {_reason(exc)}"
+                    )
+                    raise StorageError(
+                        f"{what}: the download {why} at byte {received}, "
+                        f"{tries} {'try' if tries == 1 else 'tries'}"
+                    ) from exc
 
 
 def _unretried_registry(oras: Any) -> type:

@@ -19,7 +19,13 @@ from contextlib import suppress
 from typing import Any, Protocol
 
 from kernelcache.distribution.artifact import LAYER_TAR_GZIP, Descriptor
-from kernelcache.errors import IntegrityError, KernelCacheError, UnsafePathError, one_line
+from kernelcache.errors import (
+    IntegrityError,
+    KernelCacheError,
+    StorageError,
+    UnsafePathError,
+    one_line,
+)
 from kernelcache.store.layout import path_problem
 
 _BLOCK = 512
@@ -207,11 +213,7 @@ def read_layer(
     anything fails, the rest of the blob is read and its digest checked first: a damaged
     blob is reported as such, whatever it broke on the way.
     """
-    reader = BlobReader(
-        chunks,
-        layer.size,
-        lambda: IntegrityError(f"{what}: larger than its descriptor's {layer.size} bytes"),
-    )
+    reader = BlobReader(chunks, layer.size, lambda: too_long(what, layer.size))
     tar: BlobReader | _Gunzipped = (
         _Gunzipped(reader) if layer.media_type == LAYER_TAR_GZIP else reader
     )
@@ -223,6 +225,8 @@ def read_layer(
             tar.drain()
         except _UNREADABLE as exc:
             raise IntegrityError(f"{what}: not a readable tar: {one_line(exc)}") from exc
+    except StorageError:
+        raise  # the blob stopped coming (the network, the disk): nothing to tell of its bytes
     except KernelCacheError as failure:
         with suppress(KernelCacheError, *_UNREADABLE):
             reader.drain()
@@ -236,8 +240,15 @@ def read_layer(
         )
 
 
+def too_long(what: str, size: int) -> IntegrityError:
+    """A blob that kept coming past its descriptor's size (its reader stops there)."""
+    return IntegrityError(f"{what}: longer than its descriptor says ({size} bytes)")
+
+
 def _check_blob(reader: BlobReader, layer: Descriptor, what: str) -> None:
-    if reader.size != layer.size:
+    if reader.size > layer.size:
+        raise too_long(what, layer.size)
+    if reader.size < layer.size:
         raise IntegrityError(f"{what}: truncated: {reader.size} of its {layer.size} bytes")
     if reader.digest != layer.digest:
         raise IntegrityError(f"{what}: digest mismatch: the registry served {reader.digest}")

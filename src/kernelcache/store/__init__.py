@@ -59,7 +59,7 @@ from kernelcache.store.layout import (
     SIGNATURE_NAME,
 )
 from kernelcache.store.manifest import MANIFEST_FORMAT, Manifest, manifest_checksum
-from kernelcache.store.materialization import materialize
+from kernelcache.store.materialization import claimed, materialize
 from kernelcache.store.signing import (
     fingerprint,
     generate_keypair,
@@ -83,6 +83,7 @@ __all__ = [
     "Store",
     "VerifyResult",
     "Writer",
+    "claimed",
     "digest_file",
     "digest_tree",
     "fingerprint",

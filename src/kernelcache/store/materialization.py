@@ -17,15 +17,16 @@ in a store (a copy there would replace a generation or land in another key).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import shutil
 import stat
-from collections.abc import Collection
-from contextlib import suppress
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from kernelcache.errors import IntegrityError, StorageError, UnsafePathError
+from kernelcache.errors import IntegrityError, StorageError, UnsafePathError, one_line
 from kernelcache.store.digests import FileEntry, chunk_buffer, copy_file
 from kernelcache.store.fs import (
     fsync_dir,
@@ -48,6 +49,9 @@ from kernelcache.store.layout import (
 )
 from kernelcache.store.verification import VerifyResult
 
+# What a run leaves in the target while it works: its copy under construction, an earlier
+# copy moved aside. A run killed midway leaves them; ``claimed`` removes them.
+LEFTOVERS = (".partial-", ".stale-")
 # Replacing an earlier copy races only with another materialize of the same target; past
 # this many lost races the target is not ours alone.
 _REPLACE_ATTEMPTS = 3
@@ -182,32 +186,87 @@ def _copy_batch(batch: list[FileEntry], src_root: Path, dst_root: Path, durable:
         raise
 
 
-def _check_target(target: Path, gen_dir: Path) -> None:
-    """Refuse a target that is a symlink or holds one anywhere, or that lies in a store:
-    under the generation's store root, or under a directory that holds a CURRENT (a key of
-    any store) or a MANIFEST.json (a generation)."""
-    store_root = _store_root(gen_dir)
+@contextmanager
+def claimed(
+    target: Path, leftovers: Collection[str] = (), stores: Collection[Path] = ()
+) -> Iterator[None]:
+    """Hold the target for one run: refused before anything in it is touched when it is
+    unsafe (``check_target``) or lies in one of ``stores``, made when missing, and locked
+    (a shared ``flock`` on the directory) while the run works. A run that finds no other
+    live run (it gets the lock exclusively first) removes what dead runs left: entries
+    named with ``LEFTOVERS`` or ``leftovers`` prefixes. A live run's entries are never
+    touched: it holds the lock."""
+    check_target(target)
     real = target.resolve()
-    for path in (real, *real.parents):
-        if path == store_root or any(
-            os.path.lexists(path / name) for name in (CURRENT_NAME, MANIFEST_NAME)
-        ):
+    for store in stores:
+        root = Path(store).resolve()
+        if root == real or root in real.parents:
             raise UnsafePathError(
-                f"{target}: lies in a store ({path}); materialize outside it", path=str(target)
+                f"{target}: lies in a store ({root}); materialize outside it", path=str(target)
             )
+    with io_errors(target):
+        target.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # another run is live: its entries are its own
+        else:
+            prefixes = (*LEFTOVERS, *leftovers)
+            with io_errors(target), os.scandir(target) as entries:
+                dead = [Path(e.path) for e in entries if e.name.startswith(prefixes)]
+            for path in dead:
+                _remove(path)
+        with io_errors(target):
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_target(target: Path) -> None:
+    """Refuse a target that is a symlink (a loop too: 8) or not a directory (10), or that
+    lies under a directory holding a CURRENT (a key of any store) or a MANIFEST.json (a
+    generation): before anything in it is read, removed or written."""
     try:
         st = os.lstat(target)
     except FileNotFoundError:
-        return
+        st = None
     except OSError as exc:
         raise storage_error(exc, target) from exc
-    if stat.S_ISLNK(st.st_mode):
+    if st is not None and stat.S_ISLNK(st.st_mode):
         raise UnsafePathError(
             f"{target}: is a symlink (to {link_target(target)!r}); give the directory itself",
             path=str(target),
         )
-    if not stat.S_ISDIR(st.st_mode):
+    if st is not None and not stat.S_ISDIR(st.st_mode):
         raise StorageError(f"{target}: not a directory", path=str(target))
+    try:
+        real = target.resolve(strict=False)
+    except (OSError, RuntimeError) as exc:  # a loop in a directory above it
+        raise UnsafePathError(
+            f"{target}: a symlink loop above it: {one_line(exc)}", path=str(target)
+        ) from exc
+    for path in (real, *real.parents):
+        if any(os.path.lexists(path / name) for name in (CURRENT_NAME, MANIFEST_NAME)):
+            raise UnsafePathError(
+                f"{target}: lies in a store ({path}); materialize outside it", path=str(target)
+            )
+
+
+def _check_target(target: Path, gen_dir: Path) -> None:
+    """``check_target``, and refuse a target under the generation's store root or holding
+    a symlink anywhere."""
+    check_target(target)
+    store_root = _store_root(gen_dir)
+    real = target.resolve()
+    if store_root == real or store_root in real.parents:
+        raise UnsafePathError(
+            f"{target}: lies in a store ({store_root}); materialize outside it", path=str(target)
+        )
+    if not os.path.lexists(target):
+        return
     with io_errors(target):
         for _, entry in walk(target):
             if entry.is_symlink():

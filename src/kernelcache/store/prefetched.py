@@ -2,15 +2,21 @@
 
 Under the node-local root (a hostPath)::
 
-    <root>/<namespace>/<name>/<arch>/<generation>/   a generation, as materialize or pull
-                                                     leaves it (verifiable as in the store)
+    <root>/<namespace>/<name>/<arch>/<generation>/   a generation fetched for that key, as
+                                                     materialize or pull leaves it, with its
+                                                     signature (verifiable as in the store)
     <root>/.wanted/<namespace>/<name>/<arch>.json     which copy serves that key now
+    <root>/.lock                                      held by a prefetch while it admits,
+                                                      fetches and evicts
 
-A ``.wanted`` entry names the copy (its key, which is the building cluster's for a pulled
-artifact, and generation id) and the token it was fetched for: the artifact's
-``repo@sha256:…`` when there is one, else the generation id. An init-container trusts a copy
-only for the token its webhook gave it, so a copy of an older generation never serves a pod
-admitted for a newer one. The entry is written last, atomically, after the copy is complete.
+A ``.wanted`` entry names the copy's generation id, the key its manifest was published for
+(the building cluster's, for a pulled artifact) and the token it was fetched for: the
+artifact's ``repo@sha256:…`` when there is one, else the generation id. An init-container
+trusts a copy only for the token its webhook gave it, so a copy of an older generation never
+serves a pod admitted for a newer one. The copy lies under the key it serves, derived from
+the entry's own path and never from what the entry says: an entry edited to name another
+KernelCache's copy names a directory of its own key that does not hold it. The entry is
+written last, atomically, after the copy is complete.
 
 An init-container holds a shared ``flock`` on the generation directory while it reads it;
 eviction takes the exclusive lock without waiting and skips a copy someone holds.
@@ -32,6 +38,7 @@ from kernelcache.store.fs import io_errors, replace_synced
 from kernelcache.store.layout import MANIFEST_NAME
 
 WANTED_DIR = ".wanted"
+LOCK_NAME = ".lock"
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,10 @@ class Wanted:
     token: str
     key: str  # the key the generation was published for
     generation: str
+    serves: str  # the key whose copy it is: where it lies
 
     def gen_dir(self, root: Path) -> Path:
-        return root / self.key / self.generation
+        return root / self.serves / self.generation
 
 
 def wanted_path(root: Path, key: str) -> Path:
@@ -54,7 +62,7 @@ def read_wanted(root: Path, key: str) -> Wanted | None:
     """The entry for ``key``; None when there is none or it is not one this module wrote."""
     try:
         data = json.loads(wanted_path(root, key).read_bytes())
-        found = Wanted(str(data["token"]), str(data["key"]), str(data["generation"]))
+        found = Wanted(str(data["token"]), str(data["key"]), str(data["generation"]), key)
         CacheKey.parse(found.key)
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -83,7 +91,8 @@ def all_wanted(root: Path) -> dict[str, Wanted]:
 
 
 def find(root: Path, key: str, token: str) -> Wanted | None:
-    """The complete copy this node holds for ``key`` fetched for ``token``, or None."""
+    """The copy this node holds for ``key`` fetched for ``token``, or None; whether it is
+    intact is for ``verify`` to say."""
     entry = read_wanted(root, key)
     if entry is None or entry.token != token:
         return None

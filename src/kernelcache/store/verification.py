@@ -64,8 +64,9 @@ _ERROR_CLASSES: dict[ExitCode, type[KernelCacheError]] = {
 class VerifyResult:
     """What was checked. ``manifest_bytes`` and ``signature`` are the very bytes the checks
     read (each file once): ``materialize`` writes these, never the store's files read again,
-    so what a copy holds is what was checked. ``signature`` is None when none was checked;
-    ``signer`` the fingerprint of the trusted key that made it."""
+    so what a copy holds is what was checked. ``signature`` is the generation's signature
+    as read (a copy carries it: pods that require one check it there), checked only when
+    ``signer``, the fingerprint of the trusted key that made it, is set."""
 
     gen_dir: Path
     manifest: Manifest | None
@@ -148,6 +149,8 @@ def _verify_into(
             problems.append(signature_problem)
         else:
             result.signature, result.signer = checked
+    else:
+        result.signature = _unchecked_signature(gen_dir)
     untrusted = _trust_problem(manifest, gen_dir, key, checksum=signature_problem is None)
     if untrusted is not None:
         problems.append(untrusted)
@@ -206,6 +209,14 @@ def _read_manifest(manifest_path: Path) -> tuple[bytes, Manifest] | Problem:
         return data, parse_schema(data, str(manifest_path))
     except ManifestError as exc:
         return _problem_of(exc)
+
+
+def _unchecked_signature(gen_dir: Path) -> bytes | None:
+    """The signature's bytes when there is one, unchecked (no key to check it with)."""
+    try:
+        return read_regular(gen_dir / SIGNATURE_NAME)
+    except (OSError, UnsafePathError):
+        return None
 
 
 def _check_signature(

@@ -500,9 +500,13 @@ class Writer:
         (the build then compiles a new one; a warning says why).
 
         It is verified in full first (every digest). Signed by signing_key: nothing to do.
-        Signed by one of ``trusted`` (a key being rotated out), or unsigned in a key none of
-        whose generations is signed (signing turned on): re-signed. Unsigned among signed
-        generations, or signed by a key not trusted: not vouched for.
+        Signed by one of ``trusted`` (a key being rotated out): re-signed. Unsigned, or
+        signed by a key not trusted: not vouched for. An unsigned generation is never signed
+        here, whatever the key's other generations: whether signing was on before cannot be
+        told from files anyone who writes the volume can delete (every signature, then a
+        forged CURRENT), so a signing build signs only what it built itself (the build then
+        compiles; the same content gets the same id, and its copy replaces the unsigned one)
+        or what a trusted key signed.
         """
         self._check_open()
         key = private_key(signing_key)
@@ -523,27 +527,23 @@ class Writer:
             log.warning("not signing %s: %s unreadable: %s", gen_dir, sig_path, exc)
             return None
         if encoded is None:
-            signed = [g for g, _ in self.store._generation_dirs(self.key) if _has_signature(g)]
-            if signed:
-                log.warning(
-                    "not signing %s: unsigned, while %s is signed (signing was on: it may "
-                    "have been edited)",
-                    gen_dir,
-                    signed[0],
-                )
-                return None
-        else:
-            made_by, mismatch = signer(encoded, result.manifest_bytes, _trusting(key, trusted))
-            if made_by is None:
-                log.warning(
-                    "not signing %s: its signature %s (a key being rotated out is trusted "
-                    "only when given as a public key)",
-                    gen_dir,
-                    mismatch,
-                )
-                return None
-            if fingerprint(made_by) == fingerprint(key):
-                return result.manifest, False
+            log.warning(
+                "not signing %s: unsigned, and a signing build signs only what it built or a "
+                "trusted key signed (compiling it)",
+                gen_dir,
+            )
+            return None
+        made_by, mismatch = signer(encoded, result.manifest_bytes, _trusting(key, trusted))
+        if made_by is None:
+            log.warning(
+                "not signing %s: its signature %s (a key being rotated out is trusted "
+                "only when given as a public key)",
+                gen_dir,
+                mismatch,
+            )
+            return None
+        if fingerprint(made_by) == fingerprint(key):
+            return result.manifest, False
         self._resign(gen_dir, result, key)
         return result.manifest, True
 
@@ -656,7 +656,3 @@ def _trusting(
 ) -> tuple[Ed25519PublicKey, ...]:
     """The keys whose signature a signing publisher accepts: its own and ``trusted``."""
     return (signing_key.public_key(), *trusted)
-
-
-def _has_signature(gen_dir: Path) -> bool:
-    return os.path.lexists(gen_dir / SIGNATURE_NAME)

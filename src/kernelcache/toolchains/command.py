@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from kernelcache.deadline import kill_group
-from kernelcache.errors import WarmError, plain
+from kernelcache.errors import WarmError, ended_by_interrupt, plain
 from kernelcache.toolchains.base import Toolchain, Warmer, WarmerReport, make_cache_dirs
 
 
@@ -46,6 +46,8 @@ class CommandWarmer(Warmer):
 
     def produce(self, files_dir: Path, arch: str, report: WarmerReport) -> None:
         returncode = self._run(dict(os.environ), arch)
+        if ended_by_interrupt(returncode):
+            raise KeyboardInterrupt  # the command saw the Ctrl-C first: so is this warm
         if returncode != 0:
             raise WarmError(
                 f"command warmer: {self.config.command[0]} exited with {returncode} for {arch}"
