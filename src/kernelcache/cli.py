@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import re
@@ -397,7 +398,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         except KernelCacheError as exc:
             failures.append(exc)
             print(error_line(exc), file=sys.stderr)
-            rows.append({"key": key, "error": error_object(exc.code, error_line(exc))["error"]})
+            rows.append({"key": key, "error": error_object(exc)["error"]})
             continue
         for m in generations:
             rows.append(
@@ -642,10 +643,47 @@ def _non_negative(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is a failure like every other (``main`` reports it)."""
+    """argparse, but a bad command line is a failure like every other (``main`` reports it);
+    no option is taken by an abbreviation (as kubectl and helm take none), an unknown option
+    is named before anything else the words lack, and a mistyped option, command or choice
+    gets the nearest one suggested."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> Any:
         raise SpecError(f"{self.prog}: {one_line(message)}")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        words = sys.argv[1:] if args is None else list(args)
+        for word in words:
+            if word == "--" or (self._subparsers is not None and not word.startswith("-")):
+                break  # past the options: positionals, or the command's own words
+            if word.startswith("-") and not _NUMBER.match(word):
+                name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+                if name not in self._option_string_actions:
+                    self.error(f"unknown option {name}{_did_you_mean(name, self._known_options())}")
+        return super().parse_known_args(args, namespace)
+
+    def _known_options(self) -> list[str]:
+        return [o for o in self._option_string_actions if o.startswith("--")]
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(
+                action,
+                f"invalid choice: {value!r}{_did_you_mean(str(value), choices)} "
+                f"(choose from {', '.join(choices)})",
+            )
+
+
+_NUMBER = re.compile(r"^-\d")  # a negative number is a value, not an option
+
+
+def _did_you_mean(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -919,20 +957,37 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Every failure, a bad command line included, is reported here and
     only here: its one line on stderr, the exit code of its class and, when ``--json`` was
     asked for, one failure object on stdout (the command's own, else ``error_object``), so a
-    new subcommand gets all three without a line of its own."""
+    new subcommand gets all three without a line of its own.
+
+    A reader that stops reading (``| head``, a closed ``less``) ends the command quietly with
+    141, as a command killed by SIGPIPE exits in a shell: no line, no traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        try:
+            return _run(argv)
+        finally:  # what is still buffered meets a closed pipe here, not at interpreter exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        output.detach_closed_outputs()
+        return int(ExitCode.BROKEN_PIPE)
+
+
+def _run(argv: list[str]) -> int:
     args = None
     start = time.perf_counter()
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class to search
-        line, code = error_line(exc), exit_code_of(exc)
+        if isinstance(exc, BrokenPipeError) and output.outputs_closed():
+            raise  # the reader went away: main ends quietly
+        failure = exc
+    line, code = error_line(failure), exit_code_of(failure)
     print(line, file=sys.stderr)
     failed = getattr(args, "failed", None)
     payload = failed(args, code, line, time.perf_counter() - start) if failed else None
     if _wants_json(argv):
-        output.print_json(payload if payload is not None else error_object(code, line))
+        output.print_json(payload if payload is not None else error_object(failure))
     return code
 
 

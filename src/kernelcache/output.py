@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import re
+import select
 import sys
 import time
 from collections.abc import Collection, Sequence
@@ -115,6 +116,27 @@ class _Table:
             for name, value in cells:
                 if name not in self.whole and value:
                     yield Text(f"    {name}: {value}", overflow="fold")
+
+
+_OUTPUTS = (1, 2)  # the process's stdout and stderr, whatever sys.stdout is rebound to
+
+
+def outputs_closed() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone (``| head`` has exited): a
+    ``BrokenPipeError`` from anything else (a child's pipe) is a failure to report."""
+    poller = select.poll()
+    for fd in _OUTPUTS:
+        poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def detach_closed_outputs() -> None:
+    """Point stdout and stderr at /dev/null, so that nothing flushed at exit meets the
+    closed pipe again (Python would print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in _OUTPUTS:
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def print_json(payload: Any) -> None:

@@ -353,7 +353,9 @@ def stamp_mismatch(
     if not diffs:
         return None
     more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    return StampMismatchError(f"stamp mismatch: {diffs[0].describe(sides)}{more}")
+    return StampMismatchError(
+        f"stamp mismatch: {diffs[0].describe(sides)}{more}", factor=diffs[0].name
+    )
 
 
 @dataclass(frozen=True)
