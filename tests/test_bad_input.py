@@ -665,3 +665,41 @@ def test_a_warmer_env_that_sets_a_cache_variable_is_refused_naming_it(tmp_path, 
         "  - type: command\n", f"  - type: command\n    env:\n      {var}: /elsewhere\n"
     ))  # fmt: skip
     assert f"spec.warmers[0].env.{var}" in line and "files/" in line
+
+
+# --- a kernel module that does not import here --------------------------------------------------
+
+
+def test_a_kernel_module_missing_here_is_named_as_an_import_not_a_stale_stamp(tmp_path):
+    """A module the build read and this environment cannot find (a PYTHONPATH, a folder not
+    copied) is not a stamp to rebuild: its own class, the module, the import's error and
+    where it was looked for; the factor as a field."""
+    from kernelcache import stamp
+    from kernelcache.errors import NotInstalledError, error_object
+
+    recorded = stamp.collect(
+        arch="sm_90a", distributions=[], sources={"kc_no_such_kernels": "blake3:" + "0" * 64}
+    )
+    with pytest.raises(NotInstalledError) as caught:
+        stamp.check_environment(recorded.to_dict(), "0" * 32, "sm_90a")
+    message = caught.value.message
+    assert "kernel module kc_no_such_kernels does not import here" in message
+    assert "ModuleNotFoundError: No module named 'kc_no_such_kernels'" in message
+    assert "looked in " in message and "site-packages" not in message
+    assert error_object(caught.value)["error"]["factor"] == "source/kc_no_such_kernels"
+    assert caught.value.code == ExitCode.NOT_INSTALLED
+
+
+def test_a_spec_copied_without_its_kernels_says_where_they_were_looked_for(tmp_path):
+    spec = tmp_path / "copied" / "kc.yaml"
+    spec.parent.mkdir()
+    doc = yaml.safe_load((REPO / "examples" / "kernelcache.yaml").read_text())
+    spec.write_text(yaml.safe_dump(doc))  # demo_kernels.py stays behind
+    proc = run_kernelcache(
+        "warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a",
+        PYTHONPATH=str(REPO / "src"),
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.WARM_FAILED, proc.stderr
+    line = one_line_error(proc)
+    assert "cannot import demo_kernels, beside the spec or on sys.path" in line
+    assert f"looked in {spec.parent}" in line and "No module named 'demo_kernels'" in line
