@@ -352,11 +352,9 @@ FAILURES: dict[str, dict[str, list[str]]] = {
     "pull": {
         "usage": ["registry.example.com/c/d:latest", "--store", "{store}"],  # a tag, no digest
     },
-    "doctor": {
+    "doctor": {  # a generation it cannot find or read is one of its rows (test_doctor.py)
         "usage": ["--no-such-flag"],
         "spec": ["-f", "{bad}"],
-        "missing": ["ns/other/sm_90a", "--store", "{store}", "--arch", "sm_90a"],
-        "manifest": ["{deep}", "--arch", "sm_90a"],
     },
 }
 CLASS_CODE = {
@@ -578,3 +576,38 @@ def test_the_operator_without_credentials_is_one_line_and_exit_10(tmp_path):
     assert proc.returncode == ExitCode.IO == 10, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "no Kubernetes credentials" in proc.stderr and str(tmp_path / "none") in proc.stderr
+
+
+def test_a_silent_warmer_gets_a_heartbeat_with_its_elapsed_time_and_timeout(monkeypatch, capsys):
+    """A step that prints nothing for HEARTBEAT_S gets a line saying it still runs, how long
+    it has run and its timeout; a progress line in between resets the wait."""
+    import time
+
+    from kernelcache import progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(progress, "_shown", True)
+    with progress.heartbeat("warmer 1/1 command engine-warmup", 3600):
+        time.sleep(0.5)
+    beats = [line for line in capsys.readouterr().err.splitlines() if "still running" in line]
+    assert beats, "no heartbeat in 0.5 s at 0.2 s"
+    assert beats[0] == (
+        "kernelcache: warmer 1/1 command engine-warmup: still running, 0 s of its 1 h 0 min timeout"
+    )
+    with progress.heartbeat("warmer 1/1 quiet", 60):
+        pass  # stopped at once: no line after the step
+    time.sleep(0.3)
+    assert "quiet" not in capsys.readouterr().err
+    assert [progress.duration(s) for s in (5, 150, 3900)] == ["5 s", "2 min 30 s", "1 h 5 min"]
+
+
+def test_the_live_build_line_shortens_its_text_with_an_ellipsis_not_the_clock(monkeypatch):
+    from kernelcache.output import LIVE_CLOCK, BuildView
+
+    view = BuildView.__new__(BuildView)  # the text alone: no live display started
+    view.name, view.arch, view.compiled = "demo", "sm_90a", 12
+    view.err = type("Narrow", (), {"width": 40})()
+    text = view._describe()
+    assert text.endswith("…") and len(text) == 40 - LIVE_CLOCK
+    view.err.width = 120
+    assert view._describe() == "warming demo for sm_90a: 12 kernel(s) compiled"

@@ -468,40 +468,47 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check this environment before anything runs: GPU and arch, toolchains, cache variables,
     the start-up hook, and against a generation the stamp factors that would make it miss.
+    Every check is reported, whatever the others found.
 
     The generation is a generation dir or MANIFEST.json, with --store a key or generation id,
     or the current one of -f SPEC in --store for this arch; -f alone checks the toolchains
     the spec's warmers need.
     """
     from kernelcache import doctor
-    from kernelcache.store import Store
 
-    manifest, warmer_types = None, None
+    kc = _load_spec(args.file) if args.file is not None else None
+    generation = None
     if args.generation is not None:
-        manifest = _manifest_of(args.generation, args.store)
-    if args.file is not None:
-        kc = _load_spec(args.file)
-        warmer_types = [w.type for w in kc.spec.warmers]
-        if args.store is not None:
-            from kernelcache import build, stamp
-
-            arch = stamp.detect_arch(args.arch)
-            manifest = Store(args.store).current_manifest(build.cache_key(kc, arch))
-            if manifest is None:
-                raise MissingGenerationError(
-                    f"{build.cache_key(kc, arch)}: no published generation in {args.store}"
-                )
+        generation = lambda _arch: _manifest_of(args.generation, args.store)  # noqa: E731
+    elif kc is not None and args.store is not None:
+        generation = lambda arch: _spec_generation(kc, args.store, arch)  # noqa: E731
     report = doctor.diagnose(
-        manifest=manifest,
-        warmer_types=warmer_types,
+        generation=generation,
+        warmer_types=[w.type for w in kc.spec.warmers] if kc is not None else None,
         arch=args.arch,
-        need_arch=manifest is not None or args.arch is not None,
+        arches=kc.spec.arches() if kc is not None else None,
     )
     if args.json:
         output.print_json(report.to_dict())
     else:
         _console().print(output.doctor_table(report))
     return report.exit_code
+
+
+def _spec_generation(kc: Any, store_root: Path, arch: str | None) -> Any:
+    """The spec's current generation for ``arch`` (this node's) in the store."""
+    from kernelcache import build
+    from kernelcache.errors import NoGpuInfoError
+
+    if arch is None:
+        raise NoGpuInfoError(
+            f"no arch here to pick the spec's generation by: --arch {' or '.join(kc.spec.arches())}"
+        )
+    key = build.cache_key(kc, arch)
+    manifest = _existing_store(store_root).current_manifest(key)
+    if manifest is None:
+        raise MissingGenerationError(f"{key}: no published generation in {store_root}")
+    return manifest
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

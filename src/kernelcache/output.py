@@ -13,6 +13,7 @@ import os
 import re
 import select
 import sys
+import textwrap
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict
@@ -57,9 +58,10 @@ def table(
     right: Collection[str] = (),
 ) -> Any:
     """A rich table whose ``whole`` columns (what a reader looks a row up by: a key, an
-    arch, a status) are never cut or wrapped; the other columns wrap instead. Where the
-    width leaves the others too little room to be read, each row is printed as a record:
-    its whole columns on one line, the others below as ``name: value``."""
+    arch, a status) are never cut or wrapped; the other columns wrap between words, never
+    inside one (a path, a version). Where the width leaves the others too little room for
+    that, each row is printed as a record: its whole columns on one line, the others below
+    as ``name: value``."""
     return _Table(title, columns, rows, whole, right)
 
 
@@ -84,13 +86,18 @@ class _Table:
     def _width(self, i: int) -> int:
         return max([len(self.columns[i]), *(len(row[i]) for row in self.rows)])
 
+    def _narrowest(self, i: int) -> int:
+        """A column's fewest characters: a whole column's widest cell, a wrapping one's
+        longest word (and at least ``NARROWEST_WRAPPED``, when its cells are that wide)."""
+        if self.columns[i] in self.whole:
+            return self._width(i)
+        words = [len(w) for row in self.rows for w in row[i].split()]
+        return min(self._width(i), max([NARROWEST_WRAPPED, len(self.columns[i]), *words]))
+
     def _needed(self) -> int:
-        """Characters the table needs: whole columns in full, the others at their narrowest,
-        and each cell's border and padding."""
-        return 1 + sum(
-            3 + (self._width(i) if name in self.whole else min(self._width(i), NARROWEST_WRAPPED))
-            for i, name in enumerate(self.columns)
-        )
+        """Characters the table needs: each column at its narrowest, and each cell's border
+        and padding."""
+        return 1 + sum(3 + self._narrowest(i) for i in range(len(self.columns)))
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.table import Table
@@ -100,11 +107,11 @@ class _Table:
             t = Table(title=self.title)
             for i, name in enumerate(self.columns):
                 justify: Literal["left", "right"] = "right" if name in self.right else "left"
+                narrowest = self._narrowest(i)
                 if name in self.whole:
-                    width = self._width(i)
-                    t.add_column(name, justify=justify, no_wrap=True, min_width=width)
+                    t.add_column(name, justify=justify, no_wrap=True, min_width=narrowest)
                 else:
-                    t.add_column(name, justify=justify, overflow="fold")
+                    t.add_column(name, justify=justify, overflow="fold", min_width=narrowest)
             for row in self.rows:
                 t.add_row(*row)
             yield t
@@ -114,8 +121,15 @@ class _Table:
             cells = list(zip(self.columns, row, strict=True))
             yield Text("  ".join(v for name, v in cells if name in self.whole and v))
             for name, value in cells:
-                if name not in self.whole and value:
-                    yield Text(f"    {name}: {value}", overflow="fold")
+                if name not in self.whole and value:  # wrapped between words, indented
+                    for line in textwrap.wrap(
+                        f"{name}: {value}",
+                        width=max(options.max_width, NARROWEST_WRAPPED + 6),
+                        initial_indent="    ",
+                        subsequent_indent="      ",
+                        break_on_hyphens=False,
+                    ):
+                        yield Text(line, overflow="fold")
 
 
 _OUTPUTS = (1, 2)  # the process's stdout and stderr, whatever sys.stdout is rebound to
@@ -175,6 +189,9 @@ def verify_json(outcome: Outcome) -> dict[str, Any]:
     }
 
 
+LIVE_CLOCK = 12  # the live line's spinner, clock and the spaces between them
+
+
 class BuildView:
     """What ``kernelcache build`` shows while it runs: the warm processes' lines, each kernel
     compiled with the elapsed time, and on a terminal a live line for the arch being warmed."""
@@ -198,7 +215,11 @@ class BuildView:
         return f"{time.perf_counter() - self.start:.1f} s"
 
     def _describe(self) -> str:
-        return f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled"
+        """The live line's text; a narrow terminal shortens it, with an ellipsis, and never
+        the clock beside it (the spinner and ``H:MM:SS`` take ``LIVE_CLOCK``)."""
+        text = f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled"
+        room = self.err.width - LIVE_CLOCK
+        return text if len(text) <= room else text[: max(room - 1, 0)] + "…"
 
     def started(self, arch: str) -> None:
         self.arch, self.start, self.compiled = arch, time.perf_counter(), 0

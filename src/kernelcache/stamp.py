@@ -417,14 +417,17 @@ def _declared(kind: str, name: str, value: str) -> str:
     return value
 
 
-def detect_arch(explicit: str | None = None) -> str:
-    """The target arch: ``explicit``, else ``CUTE_DSL_ARCH``, else the visible GPUs."""
+ARCH_HINT = "pass an explicit arch or set CUTE_DSL_ARCH (e.g. sm_90a)"
+
+
+def detect_arch(explicit: str | None = None, hint: str = ARCH_HINT) -> str:
+    """The target arch: ``explicit``, else ``CUTE_DSL_ARCH``, else the visible GPUs; ``hint``
+    (how the caller's user names an arch: its option) ends the line when there is none."""
     if explicit is not None:
         return _checked_arch(explicit, "arch")
     from_env = os.environ.get("CUTE_DSL_ARCH")
     if from_env:
         return _checked_arch(from_env, "CUTE_DSL_ARCH")
-    hint = "pass an explicit arch or set CUTE_DSL_ARCH (e.g. sm_90a)"
     try:
         gpus = _visible_gpus()
     except NoGpuInfoError as exc:

@@ -366,10 +366,11 @@ def run_warmers(
     for done, (index, warmer) in enumerate(
         zip(positions or range(len(warmers)), warmers, strict=True), 1
     ):
-        progress.note(f"warmer {done}/{len(warmers)} {warmer.label} for {arch}")
+        step = f"warmer {done}/{len(warmers)} {warmer.label}"
+        progress.note(f"{step} for {arch}")
         seconds = warmer.config.timeout_seconds
         late = f"spec.warmers[{index}] ({warmer.label}) ran past timeoutSeconds={seconds}"
-        with deadline(seconds, f"{late} for {arch}"):
+        with deadline(seconds, f"{late} for {arch}"), progress.heartbeat(step, seconds):
             report = warmer.run(files_dir, arch)
         if report.files == 0:
             raise WarmError(
