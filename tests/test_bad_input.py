@@ -703,3 +703,30 @@ def test_a_spec_copied_without_its_kernels_says_where_they_were_looked_for(tmp_p
     line = one_line_error(proc)
     assert "cannot import demo_kernels, beside the spec or on sys.path" in line
     assert f"looked in {spec.parent}" in line and "No module named 'demo_kernels'" in line
+
+
+# --- a directory that is not a store --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["gc", "--dry-run"], ["verify", "--key", KEY]])
+def test_a_directory_that_is_not_a_store_is_refused_not_read_as_an_empty_one(tmp_path, command):
+    """A typo'd --store that exists (the project folder, a home directory) is named, with
+    what it holds, in the I/O class: never an empty table and exit 0."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "README.md").write_text("")
+    arch = ["--arch", "sm_90a"] if command[0] == "verify" else []
+    proc = run_kernelcache(*command, "--store", str(tmp_path), *arch)
+    assert proc.returncode == ExitCode.IO, proc.stderr
+    line = one_line_error(proc)
+    assert f"{tmp_path}: not a store" in line and "README.md, src" in line
+
+
+def test_an_empty_directory_or_a_store_before_its_first_publish_is_a_store(tmp_path):
+    fresh = tmp_path / "fresh"
+    (fresh / "lost+found").mkdir(parents=True)  # a new volume's
+    assert run_kernelcache("inspect", "--store", str(fresh), "--json").stdout.strip() == "[]"
+    writing = tmp_path / "writing"
+    (writing / "default" / "kc" / "sm_90a").mkdir(parents=True)
+    (writing / "default" / "kc" / "sm_90a" / ".lock").write_text("")  # its first build runs
+    proc = run_kernelcache("inspect", "--store", str(writing), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stderr

@@ -118,6 +118,21 @@ class Store:
                 found.append(key)
         return sorted(found)
 
+    def foreign_entries(self) -> list[str]:
+        """What makes the root no store, or nothing: a store is an empty directory (a fresh
+        volume; ``lost+found`` and hidden names aside) or one that holds a key directory
+        (``NS/NAME/ARCH`` with CURRENT, or a writer's lock before its first publish). A
+        typo'd path that exists must not read as an empty store."""
+        with os.scandir(self.root) as entries:
+            shown = sorted(
+                e.name for e in entries if not e.name.startswith(".") and e.name != "lost+found"
+            )
+        for marker in (CURRENT_NAME, LOCK_NAME):
+            for found in self.root.glob(f"*/*/*/{marker}"):
+                if key_problem(found.parent.relative_to(self.root).as_posix()) is None:
+                    return []
+        return shown
+
     def _read_current(self, key_dir: Path) -> str | None:
         path = key_dir / CURRENT_NAME
         try:
