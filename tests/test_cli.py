@@ -32,6 +32,7 @@ from tests.conftest import (
     subprocess_env,
     wait_until,
     write_spec,
+    write_warmer_spec,
 )
 
 # A command warmer that prints, then waits for the test's go-ahead file: its line must reach
@@ -611,3 +612,49 @@ def test_the_live_build_line_shortens_its_text_with_an_ellipsis_not_the_clock(mo
     assert text.endswith("…") and len(text) == 40 - LIVE_CLOCK
     view.err.width = 120
     assert view._describe() == "warming demo for sm_90a: 12 kernel(s) compiled"
+
+
+def test_build_dry_run_says_what_would_be_compiled_from_which_stamp_and_why(tmp_path):
+    """Nothing compiled or written: no generation yet, up to date, a kept generation that
+    would be made current again, or the warmers that would run and the factors changed."""
+
+    def spec(text: str):
+        cache = "os.path.join(os.environ['TRITON_CACHE_DIR'], 'k')"
+        script = f"import os; open({cache}, 'w').write({text!r})"
+        warmer = {"type": "command", "command": [sys.executable, "-c", script]}
+        return str(write_warmer_spec(tmp_path, warmer))
+
+    store = tmp_path / "store"
+
+    def dry_run(spec_path: str) -> dict[str, Any]:
+        proc = run_kernelcache(
+            "build", "-f", spec_path, "--store", str(store), "--dry-run", "--json"
+        )
+        assert proc.returncode == 0, proc.stderr
+        (result,) = checked("build", proc.stdout)["results"]
+        assert result["compiled"] == 0 and result["files"] == 0
+        return result
+
+    first = dry_run(spec("a"))
+    assert first["status"] == "would-compile" and first["would_run"] == [
+        f"command {sys.executable}"
+    ]
+    assert first["message"] == "default/kc/sm_90a: no generation published yet"
+    assert not store.exists() or not any(store.rglob("CURRENT"))  # nothing written
+
+    assert run_kernelcache("build", "-f", spec("a"), "--store", str(store)).returncode == 0
+    up = dry_run(spec("a"))
+    assert up["status"] == "up-to-date" and up["stamp"] == first["stamp"] and up["would_run"] == []
+
+    changed = dry_run(spec("b"))
+    assert changed["status"] == "would-compile" and changed["stamp"] != first["stamp"]
+    assert [c["factor"] for c in changed["changed"]] == ["workload"]
+    assert changed["message"].startswith("the stamp differs: workload: ")
+
+    assert run_kernelcache("build", "-f", spec("b"), "--store", str(store)).returncode == 0
+    back = dry_run(spec("a"))  # a reverted spec: its generation is still kept
+    assert back["status"] == "would-re-point" and back["generation"] == up["generation"]
+    assert Store(store).current_manifest("default/kc/sm_90a").stamp["digest"] == changed["stamp"]
+
+    table = run_kernelcache("build", "-f", spec("a"), "--store", str(store), "--dry-run")
+    assert "would-re-point" in table.stdout and "checking (dry run) kc" in table.stderr

@@ -98,14 +98,17 @@ def cmd_build(args: argparse.Namespace) -> int:
     """Warm every arch of a spec in its own process, seal and publish, then print a table.
 
     What the warmers print streams to stderr as they print it, each kernel compiled with its
-    time; the tables (or --json) go to stdout, a failed arch's reason once to stderr.
+    time; the tables (or --json) go to stdout, a failed arch's reason once to stderr. With
+    --dry-run each arch says what it would do and why (up to date, a kept generation to make
+    current again, or the warmers to run and the stamp factors that changed), compiling and
+    writing nothing.
     """
     from kernelcache import build
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
     _check_key_file(args.signing_key, "--signing-key")
-    view = output.BuildView(kc)
+    view = output.BuildView(kc, dry_run=args.dry_run)
     try:
         results = build.build(
             args.file.resolve(),
@@ -114,6 +117,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             signing_key_path=args.signing_key,
             public_key_path=args.public_key,
             force=args.force,
+            dry_run=args.dry_run,
             on_start=view.started,
             on_output=view.line,
             on_done=view.done,
@@ -124,7 +128,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(output.build_json(kc, results, code))
     else:
-        for table in output.build_tables(kc, results):
+        for table in output.build_tables(kc, results, dry_run=args.dry_run):
             _console().print(table)
     for r in results:
         if r.status == "failed":
@@ -133,7 +137,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    """Warm one arch into the store (what a compile Job runs)."""
+    """Warm one arch into the store (what a compile Job runs); --dry-run: say what it would
+    do and why, compiling and writing nothing."""
     from kernelcache import build, progress
     from kernelcache.store import Store
 
@@ -141,23 +146,32 @@ def cmd_warm(args: argparse.Namespace) -> int:
     (arch,) = _arches(kc, [args.arch])
     if args.result is not None:
         _check_output_dir(args.result, "--result")
+    if args.dry_run and args.push:
+        raise SpecError("--dry-run publishes nothing: there is nothing to --push")
     if args.progress or contract.PROGRESS.read(os.environ):
         progress.show()
-    result = build.warm_arch(
-        kc,
-        args.file.resolve().parent,
-        Store(args.store),
-        arch,
-        signing_key=_signing_key(args.signing_key),
-        trusted=_trusted_keys(args.public_key),
-        force=args.force,
-    )
+    if args.dry_run:
+        result = build.plan_arch(
+            kc, args.file.resolve().parent, Store(args.store), arch, force=args.force
+        )
+    else:
+        result = build.warm_arch(
+            kc,
+            args.file.resolve().parent,
+            Store(args.store),
+            arch,
+            signing_key=_signing_key(args.signing_key),
+            trusted=_trusted_keys(args.public_key),
+            force=args.force,
+        )
     if args.push:
         result.artifact = _push(args, kc, arch, result.generation)
     if args.result is not None:
         build.write_result(args.result, result)
     if args.json:
         output.print_json(asdict(result))
+    elif args.dry_run:
+        print(output.plan_line(result))
     else:
         print(
             f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)"
@@ -735,6 +749,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"
         )
 
+    def dry_run_arg(p: Any) -> None:
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="compile nothing: say what would be compiled, from which stamp, and why",
+        )
+
     def trusted_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--public-key",
@@ -750,6 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    dry_run_arg(p)
     json_arg(p, "build.json")
 
     p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)", _warm_failed)
@@ -759,6 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    dry_run_arg(p)
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(
         "--push", metavar="REPOSITORY", help="then push the generation there (tag: its id)"

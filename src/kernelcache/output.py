@@ -196,10 +196,10 @@ class BuildView:
     """What ``kernelcache build`` shows while it runs: the warm processes' lines, each kernel
     compiled with the elapsed time, and on a terminal a live line for the arch being warmed."""
 
-    def __init__(self, kc: KernelCache) -> None:
+    def __init__(self, kc: KernelCache, dry_run: bool = False) -> None:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.name = kc.metadata.name
+        self.name, self.dry_run = kc.metadata.name, dry_run
         self.err = console(stderr=True)
         self.live = None
         if self.err.is_terminal:  # a spinner, the kernels so far and a running clock
@@ -224,7 +224,8 @@ class BuildView:
     def started(self, arch: str) -> None:
         self.arch, self.start, self.compiled = arch, time.perf_counter(), 0
         if self.live is None:
-            print(f"{arch}: warming {self.name}", file=sys.stderr, flush=True)
+            doing = "checking (dry run)" if self.dry_run else "warming"
+            print(f"{arch}: {doing} {self.name}", file=sys.stderr, flush=True)
             return
         if self.task is not None:
             self.live.remove_task(self.task)
@@ -250,6 +251,8 @@ class BuildView:
             self.live.update(self.task, description=self._describe())
 
     def done(self, result: ArchResult) -> None:
+        if self.dry_run and result.status != "failed":
+            return  # the warm's own line said what it would do and why
         if result.status == "failed":
             detail = f"exit {result.exit_code}"
         else:
@@ -266,8 +269,20 @@ class BuildView:
             self.live.stop()
 
 
-def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
-    """The per-arch table and, when anything was compiled, the per-toolchain summary."""
+def plan_line(result: ArchResult) -> str:
+    """What a dry run found for an arch, on one line: its status, the stamp, why."""
+    running = f"; would run {', '.join(result.would_run)}" if result.would_run else ""
+    stamp = str(result.stamp).removeprefix("blake3:")[:16]
+    return f"{result.arch}: {result.status} (stamp {stamp}): {result.message}{running}"
+
+
+def build_tables(
+    kc: KernelCache, results: Sequence[ArchResult], dry_run: bool = False
+) -> list[Any]:
+    """The per-arch table and, when anything was compiled, the per-toolchain summary; for a
+    dry run, what each arch would do and why."""
+    if dry_run:
+        return [_plan_table(kc, results)]
     rows = [
         [
             r.arch,
@@ -312,6 +327,26 @@ def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
             )
         )
     return tables
+
+
+def _plan_table(kc: KernelCache, results: Sequence[ArchResult]) -> Any:
+    rows = [
+        [
+            r.arch,
+            r.status,
+            (r.generation or "-")[:16],
+            str(r.stamp or "-").removeprefix("blake3:")[:16],
+            ", ".join(r.would_run) or "-",
+            r.message,
+        ]
+        for r in results
+    ]
+    return table(
+        f"kernelcache build --dry-run {kc.metadata.namespace}/{kc.metadata.name}",
+        ("arch", "status", "generation", "stamp", "would run", "why"),
+        rows,
+        whole=("arch", "status", "generation"),
+    )
 
 
 def slowest(kernels: Sequence[dict[str, Any]], toolchain: str) -> str:
