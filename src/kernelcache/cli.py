@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
     MissingGenerationError,
+    NoGpuInfoError,
     NotInstalledError,
     SignatureError,
     SpecError,
@@ -492,10 +494,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     kc = _load_spec(args.file) if args.file is not None else None
     generation = None
-    if args.generation is not None:
-        generation = lambda _arch: _manifest_of(args.generation, args.store)  # noqa: E731
-    elif kc is not None and args.store is not None:
-        generation = lambda arch: _spec_generation(kc, args.store, arch)  # noqa: E731
+    if args.generation is not None or (kc is not None and args.store is not None):
+        generation = functools.partial(_doctor_generation, args, kc)
     report = doctor.diagnose(
         generation=generation,
         warmer_types=[w.type for w in kc.spec.warmers] if kc is not None else None,
@@ -509,19 +509,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def _spec_generation(kc: Any, store_root: Path, arch: str | None) -> Any:
-    """The spec's current generation for ``arch`` (this node's) in the store."""
+def _doctor_generation(args: argparse.Namespace, kc: Any, arch: str | None) -> Any:
+    """The generation doctor compares with: the one named, else the spec's current one in
+    the store for ``arch`` (the one seen here)."""
     from kernelcache import build
-    from kernelcache.errors import NoGpuInfoError
 
+    if args.generation is not None:
+        return _manifest_of(args.generation, args.store)
     if arch is None:
         raise NoGpuInfoError(
             f"no arch here to pick the spec's generation by: --arch {' or '.join(kc.spec.arches())}"
         )
     key = build.cache_key(kc, arch)
-    manifest = _existing_store(store_root).current_manifest(key)
+    manifest = _existing_store(args.store).current_manifest(key)
     if manifest is None:
-        raise MissingGenerationError(f"{key}: no published generation in {store_root}")
+        raise MissingGenerationError(f"{key}: no published generation in {args.store}")
     return manifest
 
 
