@@ -433,12 +433,17 @@ def deep_manifest(tmp_path: Path, depth: int) -> Path:
 @pytest.mark.parametrize("depth", [100_000, 80])  # past the recursion limit; past ours only
 def test_a_deeply_nested_manifest_is_a_malformed_manifest_naming_it(tmp_path, depth):
     manifest = deep_manifest(tmp_path, depth)
-    for args in (["explain", str(manifest), str(manifest)], ["doctor", str(manifest.parent)]):
-        proc = run_kernelcache(*args, "--arch", "sm_90a") if args[0] == "doctor" else None
-        proc = proc or run_kernelcache(*args)
-        assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
-        line = one_line_error(proc)
-        assert str(manifest) in line and "nested deeper than" in line, line
+    proc = run_kernelcache("explain", str(manifest), str(manifest))
+    assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
+    line = one_line_error(proc)
+    assert str(manifest) in line and "nested deeper than" in line, line
+    # doctor reports it as its generation row, and every other check after it
+    proc = run_kernelcache("doctor", str(manifest.parent), "--arch", "sm_90a", "--json")
+    assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
+    checks = {c["check"]: c for c in checked("doctor", proc.stdout)["checks"]}
+    detail = checks["generation"]["detail"]
+    assert str(manifest) in detail and "nested deeper than" in detail, detail
+    assert "startup-hook" in checks
 
 
 @pytest.mark.parametrize("depth", [20_000, 80])
