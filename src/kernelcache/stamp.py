@@ -417,7 +417,7 @@ def _declared(kind: str, name: str, value: str) -> str:
     return value
 
 
-ARCH_HINT = "pass an explicit arch or set CUTE_DSL_ARCH (e.g. sm_90a)"
+ARCH_HINT = "set CUTE_DSL_ARCH (e.g. sm_90a)"  # where no caller has an option for it
 
 
 def detect_arch(explicit: str | None = None, hint: str = ARCH_HINT) -> str:
