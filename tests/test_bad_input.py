@@ -433,12 +433,17 @@ def deep_manifest(tmp_path: Path, depth: int) -> Path:
 @pytest.mark.parametrize("depth", [100_000, 80])  # past the recursion limit; past ours only
 def test_a_deeply_nested_manifest_is_a_malformed_manifest_naming_it(tmp_path, depth):
     manifest = deep_manifest(tmp_path, depth)
-    for args in (["explain", str(manifest), str(manifest)], ["doctor", str(manifest.parent)]):
-        proc = run_kernelcache(*args, "--arch", "sm_90a") if args[0] == "doctor" else None
-        proc = proc or run_kernelcache(*args)
-        assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
-        line = one_line_error(proc)
-        assert str(manifest) in line and "nested deeper than" in line, line
+    proc = run_kernelcache("explain", str(manifest), str(manifest))
+    assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
+    line = one_line_error(proc)
+    assert str(manifest) in line and "nested deeper than" in line, line
+    # doctor reports it as its generation row, and every other check after it
+    proc = run_kernelcache("doctor", str(manifest.parent), "--arch", "sm_90a", "--json")
+    assert proc.returncode == ExitCode.MALFORMED_MANIFEST, proc.stderr
+    checks = {c["check"]: c for c in checked("doctor", proc.stdout)["checks"]}
+    detail = checks["generation"]["detail"]
+    assert str(manifest) in detail and "nested deeper than" in detail, detail
+    assert "startup-hook" in checks
 
 
 @pytest.mark.parametrize("depth", [20_000, 80])
@@ -692,3 +697,68 @@ def test_a_warmer_env_that_sets_a_cache_variable_is_refused_naming_it(tmp_path, 
         "  - type: command\n", f"  - type: command\n    env:\n      {var}: /elsewhere\n"
     ))  # fmt: skip
     assert f"spec.warmers[0].env.{var}" in line and "files/" in line
+
+
+# --- a kernel module that does not import here --------------------------------------------------
+
+
+def test_a_kernel_module_missing_here_is_named_as_an_import_not_a_stale_stamp(tmp_path):
+    """A module the build read and this environment cannot find (a PYTHONPATH, a folder not
+    copied) is not a stamp to rebuild: its own class, the module, the import's error and
+    where it was looked for; the factor as a field."""
+    from kernelcache import stamp
+    from kernelcache.errors import NotInstalledError, error_object
+
+    recorded = stamp.collect(
+        arch="sm_90a", distributions=[], sources={"kc_no_such_kernels": "blake3:" + "0" * 64}
+    )
+    with pytest.raises(NotInstalledError) as caught:
+        stamp.check_environment(recorded.to_dict(), "0" * 32, "sm_90a")
+    message = caught.value.message
+    assert "kernel module kc_no_such_kernels does not import here" in message
+    assert "ModuleNotFoundError: No module named 'kc_no_such_kernels'" in message
+    assert "looked in " in message and "site-packages" not in message
+    assert error_object(caught.value)["error"]["factor"] == "source/kc_no_such_kernels"
+    assert caught.value.code == ExitCode.NOT_INSTALLED
+
+
+def test_a_spec_copied_without_its_kernels_says_where_they_were_looked_for(tmp_path):
+    spec = tmp_path / "copied" / "kc.yaml"
+    spec.parent.mkdir()
+    doc = yaml.safe_load((REPO / "examples" / "kernelcache.yaml").read_text())
+    spec.write_text(yaml.safe_dump(doc))  # demo_kernels.py stays behind
+    proc = run_kernelcache(
+        "warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a",
+        PYTHONPATH=str(REPO / "src"),
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.WARM_FAILED, proc.stderr
+    line = one_line_error(proc)
+    assert "cannot import demo_kernels, beside the spec or on sys.path" in line
+    assert f"looked in {spec.parent}" in line and "No module named 'demo_kernels'" in line
+
+
+# --- a directory that is not a store --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["gc", "--dry-run"], ["verify", "--key", KEY]])
+def test_a_directory_that_is_not_a_store_is_refused_not_read_as_an_empty_one(tmp_path, command):
+    """A typo'd --store that exists (the project folder, a home directory) is named, with
+    what it holds, in the I/O class: never an empty table and exit 0."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "README.md").write_text("")
+    arch = ["--arch", "sm_90a"] if command[0] == "verify" else []
+    proc = run_kernelcache(*command, "--store", str(tmp_path), *arch)
+    assert proc.returncode == ExitCode.IO, proc.stderr
+    line = one_line_error(proc)
+    assert f"{tmp_path}: not a store" in line and "README.md, src" in line
+
+
+def test_an_empty_directory_or_a_store_before_its_first_publish_is_a_store(tmp_path):
+    fresh = tmp_path / "fresh"
+    (fresh / "lost+found").mkdir(parents=True)  # a new volume's
+    assert run_kernelcache("inspect", "--store", str(fresh), "--json").stdout.strip() == "[]"
+    writing = tmp_path / "writing"
+    (writing / "default" / "kc" / "sm_90a").mkdir(parents=True)
+    (writing / "default" / "kc" / "sm_90a" / ".lock").write_text("")  # its first build runs
+    proc = run_kernelcache("inspect", "--store", str(writing), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stderr

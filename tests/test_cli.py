@@ -28,9 +28,11 @@ from tests.conftest import (
     needs_cute,
     publish_files,
     run_kernelcache,
+    scaled,
     subprocess_env,
     wait_until,
     write_spec,
+    write_warmer_spec,
 )
 
 # A command warmer that prints, then waits for the test's go-ahead file: its line must reach
@@ -351,11 +353,9 @@ FAILURES: dict[str, dict[str, list[str]]] = {
     "pull": {
         "usage": ["registry.example.com/c/d:latest", "--store", "{store}"],  # a tag, no digest
     },
-    "doctor": {
+    "doctor": {  # a generation it cannot find or read is one of its rows (test_doctor.py)
         "usage": ["--no-such-flag"],
         "spec": ["-f", "{bad}"],
-        "missing": ["ns/other/sm_90a", "--store", "{store}", "--arch", "sm_90a"],
-        "manifest": ["{deep}", "--arch", "sm_90a"],
     },
 }
 CLASS_CODE = {
@@ -391,6 +391,25 @@ def test_every_json_command_prints_one_object_valid_against_its_schema_when_it_f
     failure = payload.get("error") or payload  # warm's is its failed result
     assert failure["exit_code"] == code
     assert failure["message"] in line
+    if "error" in payload:  # the class and what the failure is about, as fields
+        assert failure["class"] == ExitCode(code).name.lower()
+        if what == "io":
+            assert failure["path"] == stores["missing"]
+
+
+def test_a_json_failure_names_the_spec_field_and_the_stamp_factor(stores, capsys):
+    from kernelcache.cli import main
+    from kernelcache.errors import error_object
+    from kernelcache.stamp import FactorDiff, stamp_mismatch
+
+    assert main(["doctor", "-f", stores["bad"], "--json"]) == ExitCode.USAGE
+    failure = json.loads(capsys.readouterr().out)["error"]
+    assert (failure["class"], failure["path"]) == ("usage", stores["bad"])
+    assert failure["field"].startswith("metadata")
+    mismatch = stamp_mismatch([FactorDiff("dist/torch", "2.11.0", "2.12.0")])
+    assert mismatch is not None
+    failure = error_object(mismatch)["error"]
+    assert (failure["class"], failure["factor"]) == ("stamp_mismatch", "dist/torch")
 
 
 def test_every_json_command_has_a_schema_with_the_one_failure_shape():
@@ -470,3 +489,172 @@ def test_completion_completes_option_choices_and_paths(tmp_path):
     assert sorted(complete("explain", "")) == ["kc.yaml", "store"]  # a generation dir or file
     assert complete("warm", "--arch", "") == []  # a value, not an option
     assert complete("gc", "--st") == ["--store"]
+
+
+# --- the first hour: pipes, typos, no cluster ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["completion", "bash"],
+        ["inspect", "--store", "{store}", "--json"],
+        ["--help"],
+        ["inspect", "--store", "{missing}", "--json"],
+    ],
+    ids=["completion", "inspect-json", "help", "failure-json"],
+)
+def test_a_reader_that_stops_reading_ends_any_command_quietly_with_141(stores, args):
+    """``| head``: the reader is gone before the command writes; no traceback, no
+    "internal error", and the exit status of a command the pipe's signal stopped."""
+    proc = popen_kernelcache(*(a.format(**stores) for a in args))
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    code = proc.wait(timeout=scaled(120))
+    # argparse writes --help itself and drops an OSError of that write: quiet, and 0.
+    assert code == (0 if args == ["--help"] else ExitCode.BROKEN_PIPE)
+    assert ExitCode.BROKEN_PIPE == 141
+    assert "Traceback" not in err and "internal error" not in err and "Exception" not in err
+    if args[-1] != "--json" or "{missing}" not in args:
+        assert err == ""
+
+
+def test_a_broken_pipe_that_is_not_the_output_is_still_a_failure(monkeypatch, capsys):
+    """Only a closed stdout or stderr is quiet: a child's pipe breaking is a bug to report."""
+    from kernelcache import cli
+
+    def breaks(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_keygen", breaks)
+    assert cli.main(["keygen", "somewhere"]) == ExitCode.FAILURE
+    assert "internal error: BrokenPipeError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["build", "--stroe", "s", "-f", "x"], "unknown option --stroe (did you mean --store?)"),
+        (["build", "--sto", "s", "-f", "x"], "unknown option --sto (did you mean --store?)"),
+        (["gc", "--store=s", "--kep", "1"], "unknown option --kep (did you mean --keep?)"),
+        (["inspect", "--store", "s", "--jsn"], "unknown option --jsn (did you mean --json?)"),
+        (["--verison"], "unknown option --verison (did you mean --version?)"),
+        (["biuld", "-f", "x"], "invalid choice: 'biuld' (did you mean build?)"),
+        (["verify", "--policy", "strct"], "invalid choice: 'strct' (did you mean strict?)"),
+        (["completion", "bsh"], "invalid choice: 'bsh' (did you mean bash?)"),
+        (["build", "--zzz"], "unknown option --zzz\n"),
+    ],
+)
+def test_options_are_never_abbreviated_and_a_typo_is_named_with_the_nearest(capsys, args, said):
+    from kernelcache.cli import main
+
+    assert main(args) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert said in err and "required" not in err, err  # none near --zzz: no suggestion
+
+
+def test_an_option_value_or_a_negative_number_is_not_an_unknown_option(capsys):
+    from kernelcache.cli import build_parser
+
+    args = build_parser().parse_args(["build", "-fspec.yaml", "--store=s", "--arch", "sm_90a"])
+    assert (str(args.file), str(args.store), args.arch) == ("spec.yaml", "s", ["sm_90a"])
+    with pytest.raises(Exception, match="-1 is negative"):
+        build_parser().parse_args(["gc", "--store", "s", "--keep", "-1"])
+
+
+def test_the_operator_without_credentials_is_one_line_and_exit_10(tmp_path):
+    """Not in a cluster and no kubeconfig: one line naming where it looked, at once, not
+    kopf's chained tracebacks retried every minute."""
+    pytest.importorskip("kopf")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "operator"],
+        env={**subprocess_env(KUBECONFIG=str(tmp_path / "none")), "KUBERNETES_SERVICE_HOST": ""},
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == ExitCode.IO == 10, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "no Kubernetes credentials" in proc.stderr and str(tmp_path / "none") in proc.stderr
+
+
+def test_a_silent_warmer_gets_a_heartbeat_with_its_elapsed_time_and_timeout(monkeypatch, capsys):
+    """A step that prints nothing for HEARTBEAT_S gets a line saying it still runs, how long
+    it has run and its timeout; a progress line in between resets the wait."""
+    import time
+
+    from kernelcache import progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(progress, "_shown", True)
+    with progress.heartbeat("warmer 1/1 command engine-warmup", 3600):
+        time.sleep(0.5)
+    beats = [line for line in capsys.readouterr().err.splitlines() if "still running" in line]
+    assert beats, "no heartbeat in 0.5 s at 0.2 s"
+    assert beats[0] == (
+        "kernelcache: warmer 1/1 command engine-warmup: still running, 0 s of its 1 h 0 min timeout"
+    )
+    with progress.heartbeat("warmer 1/1 quiet", 60):
+        pass  # stopped at once: no line after the step
+    time.sleep(0.3)
+    assert "quiet" not in capsys.readouterr().err
+    assert [progress.duration(s) for s in (5, 150, 3900)] == ["5 s", "2 min 30 s", "1 h 5 min"]
+
+
+def test_the_live_build_line_shortens_its_text_with_an_ellipsis_not_the_clock(monkeypatch):
+    from kernelcache.output import LIVE_CLOCK, BuildView
+
+    view = BuildView.__new__(BuildView)  # the text alone: no live display started
+    view.name, view.arch, view.compiled = "demo", "sm_90a", 12
+    view.err = type("Narrow", (), {"width": 40})()
+    text = view._describe()
+    assert text.endswith("…") and len(text) == 40 - LIVE_CLOCK
+    view.err.width = 120
+    assert view._describe() == "warming demo for sm_90a: 12 kernel(s) compiled"
+
+
+def test_build_dry_run_says_what_would_be_compiled_from_which_stamp_and_why(tmp_path):
+    """Nothing compiled or written: no generation yet, up to date, a kept generation that
+    would be made current again, or the warmers that would run and the factors changed."""
+
+    def spec(text: str):
+        cache = "os.path.join(os.environ['TRITON_CACHE_DIR'], 'k')"
+        script = f"import os; open({cache}, 'w').write({text!r})"
+        warmer = {"type": "command", "command": [sys.executable, "-c", script]}
+        return str(write_warmer_spec(tmp_path, warmer))
+
+    store = tmp_path / "store"
+
+    def dry_run(spec_path: str) -> dict[str, Any]:
+        proc = run_kernelcache(
+            "build", "-f", spec_path, "--store", str(store), "--dry-run", "--json"
+        )
+        assert proc.returncode == 0, proc.stderr
+        (result,) = checked("build", proc.stdout)["results"]
+        assert result["compiled"] == 0 and result["files"] == 0
+        return result
+
+    first = dry_run(spec("a"))
+    assert first["status"] == "would-compile" and first["would_run"] == [
+        f"command {sys.executable}"
+    ]
+    assert first["message"] == "default/kc/sm_90a: no generation published yet"
+    assert not store.exists() or not any(store.rglob("CURRENT"))  # nothing written
+
+    assert run_kernelcache("build", "-f", spec("a"), "--store", str(store)).returncode == 0
+    up = dry_run(spec("a"))
+    assert up["status"] == "up-to-date" and up["stamp"] == first["stamp"] and up["would_run"] == []
+
+    changed = dry_run(spec("b"))
+    assert changed["status"] == "would-compile" and changed["stamp"] != first["stamp"]
+    assert [c["factor"] for c in changed["changed"]] == ["workload"]
+    assert changed["message"].startswith("the stamp differs: workload: ")
+
+    assert run_kernelcache("build", "-f", spec("b"), "--store", str(store)).returncode == 0
+    back = dry_run(spec("a"))  # a reverted spec: its generation is still kept
+    assert back["status"] == "would-re-point" and back["generation"] == up["generation"]
+    assert Store(store).current_manifest("default/kc/sm_90a").stamp["digest"] == changed["stamp"]
+
+    table = run_kernelcache("build", "-f", spec("a"), "--store", str(store), "--dry-run")
+    assert "would-re-point" in table.stdout and "checking (dry run) kc" in table.stderr

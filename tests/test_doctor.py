@@ -22,7 +22,6 @@ from tests.conftest import (
     DemoBuild,
     checked,
     needs_cute,
-    one_line_error,
     run_kernelcache,
     subprocess_env,
 )
@@ -110,7 +109,7 @@ def test_doctor_names_what_is_broken(generation, tmp_path):
     env = {
         "PYTHONPATH": f"{broken}:{subprocess_env()['PYTHONPATH']}",
         "TRITON_CACHE_DIR": str(a_file / "triton"),
-        "KERNELCACHE_RUNTIME": "",
+        "KERNELCACHE_RUNTIME": "1",  # asked for, and no hook installed to start it
     }
     proc = run_kernelcache("doctor", str(generation), "--arch", "sm_120a", "--json", **env)
     payload = checked("doctor", proc.stdout)
@@ -121,6 +120,7 @@ def test_doctor_names_what_is_broken(generation, tmp_path):
     assert checks["cache/TRITON_CACHE_DIR"]["status"] == "warn"
     assert "not writable" in checks["cache/TRITON_CACHE_DIR"]["detail"]
     assert checks["startup-hook"]["status"] == "warn"
+    assert "nothing starts the runtime" in checks["startup-hook"]["detail"]
     assert checks["stamp"]["status"] == "fail"
     assert checks["stamp"]["exit_code"] == ExitCode.STAMP_MISMATCH
     differing = {d["factor"]: d for d in payload["differences"]}
@@ -139,6 +139,10 @@ def test_doctor_without_a_gpu_or_arch_fails_on_the_arch(generation):
     assert proc.returncode == ExitCode.NO_GPU_INFO
     assert rows(payload)["gpu"]["status"] == "fail"
     assert "nvidia-smi" in rows(payload)["gpu"]["detail"]
+    assert "name this node's arch with --arch (e.g. sm_90a)" in rows(payload)["gpu"]["detail"]
+    # every other check is still reported
+    assert rows(payload)["toolchain/cute-dsl"]["status"] == "ok"
+    assert rows(payload)["stamp"]["exit_code"] == ExitCode.NO_GPU_INFO
 
 
 def test_doctor_against_a_spec_and_its_store(generation):
@@ -154,10 +158,58 @@ def test_doctor_against_a_spec_and_its_store(generation):
 
     unbuilt = run_kernelcache(*args, "--arch", "sm_120a", **env)
     assert unbuilt.returncode == ExitCode.MISSING_GENERATION
-    assert "default/demo/sm_120a: no published generation" in one_line_error(unbuilt)
+    checks = rows(checked("doctor", unbuilt.stdout))  # a row, and every other check after it
+    assert checks["generation"]["status"] == "fail"
+    assert "default/demo/sm_120a: no published generation" in checks["generation"]["detail"]
+    assert checks["toolchain/cute-dsl"]["status"] == "ok" and "startup-hook" in checks
 
     spec_only = run_kernelcache("doctor", "-f", str(spec), "--json", CUTE_DSL_ARCH="", **env)
     payload = checked("doctor", spec_only.stdout)
     assert "stamp" not in rows(payload) and payload["differences"] == []
-    # Without a generation an arch is not needed: no GPU here is a warning, not a failure.
-    assert spec_only.returncode == 0 and rows(payload)["gpu"]["status"] in ("ok", "warn")
+    # Without a generation an arch is not needed: no GPU here is worth knowing, no failure.
+    assert spec_only.returncode == 0 and rows(payload)["gpu"]["status"] in ("ok", "info")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible here")
+def test_doctor_of_a_spec_and_store_without_a_gpu_reports_every_check(generation):
+    """No GPU: not one line and a stop, but the gpu row naming --arch with the spec's
+    arches, the generation row saying why none was picked, and every other check."""
+    spec_dir = generation.parents[4]
+    env = {"PYTHONPATH": f"{spec_dir}:{subprocess_env()['PYTHONPATH']}", "CUTE_DSL_ARCH": ""}
+    args = ("doctor", "-f", str(spec_dir / "kc.yaml"), "--store", str(spec_dir / "store"))
+    proc = run_kernelcache(*args, "--json", **env)
+    assert proc.returncode == ExitCode.NO_GPU_INFO, proc.stderr
+    checks = rows(checked("doctor", proc.stdout))
+    assert "--arch (sm_120a or sm_90a)" in checks["gpu"]["detail"]
+    assert checks["generation"]["detail"].endswith("--arch sm_120a or sm_90a")
+    assert checks["toolchain/cute-dsl"]["status"] == "ok"
+    assert {"startup-hook", "cache/TRITON_CACHE_DIR"} <= set(checks)
+
+
+def test_doctor_after_a_build_warns_only_of_what_to_act_on(generation):
+    """Straight after a build, on a machine without a GPU or the runtime's hook: what is
+    worth knowing is info (no GPU needed to build, toolchains no spec asked for, the hook
+    serving code starts), not a warning."""
+    env = {"KERNELCACHE_RUNTIME": "", "CUTE_DSL_ARCH": ""}
+    env.update({var: "" for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")})
+    proc = run_kernelcache("doctor", "--json", **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = rows(checked("doctor", proc.stdout))
+    warned = {n: c["detail"] for n, c in checks.items() if c["status"] == "warn"}
+    # left: only a toolchain installed here that fails to import, which is worth fixing
+    assert all(n.startswith("toolchain/") and "import" in d for n, d in warned.items()), warned
+    assert checks["startup-hook"]["status"] in ("ok", "info")
+    assert checks["gpu"]["status"] in ("ok", "info")
+
+
+def test_doctor_wraps_words_whole_on_a_narrow_terminal(generation):
+    """At 60 columns the table gives way to records, every word whole: no path, version or
+    file name broken across lines."""
+    args = ("doctor", str(generation), "--arch", "sm_90a")
+    proc = run_kernelcache(*args, COLUMNS="60", KERNELCACHE_RUNTIME="")
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 60 for line in lines), proc.stdout
+    assert any(line.strip() == "startup-hook  info" for line in lines), proc.stdout
+    text = " ".join(lines)
+    for word in ("nvidia-cutlass-dsl==", HOOK_FILE, "KERNELCACHE_CUTE_DSL_DIR"):
+        assert word in text, proc.stdout

@@ -835,3 +835,27 @@ def test_the_warm_report_names_what_the_build_could_not_observe(tmp_path):
     (report,) = manifest.report["warmers"]
     assert any(f"a subprocess ({sys.executable})" in n for n in report["unobserved"]), report
     assert "not observed: a subprocess" in proc.stderr
+
+
+def test_a_library_lookup_by_ctypes_is_not_named_unobserved():
+    """``ctypes.util.find_library`` runs ``ldconfig -p`` (or gcc, ld) for a file name; the
+    library then loaded is mapped and recorded: no note. Another subprocess is still named."""
+    from tests.conftest import subprocess_env
+
+    script = (
+        "import ctypes.util, json, subprocess, sys\n"
+        "from kernelcache.runtime import observe\n"
+        "observe.start()\n"
+        "ctypes.util.find_library('c'); ctypes.util.find_library('kc-no-such-library')\n"
+        "found = sorted(observe._seen.unobserved)\n"
+        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+        "print(json.dumps([found, sorted(observe._seen.unobserved)]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    after_lookup, after_spawn = json.loads(proc.stdout)
+    assert after_lookup == []
+    assert after_spawn == [f"a subprocess ({sys.executable}): the files it read"]

@@ -55,6 +55,9 @@ class Status(enum.StrEnum):
     RE_SIGNED = "re-signed"  # the current one had the stamp and was signed now: no compile
     RE_POINTED = "re-pointed"  # a kept generation with the stamp was made current again
     FAILED = "failed"
+    # --dry-run: what a warm would do, nothing compiled or changed (up-to-date as above)
+    WOULD_COMPILE = "would-compile"  # no generation has the stamp: the warmers would run
+    WOULD_RE_POINT = "would-re-point"  # a kept generation has it: it would be made current
 
 
 @dataclass
@@ -79,6 +82,10 @@ class ArchResult:
     artifact: str | None = None
     # The fingerprint of the key that signed the generation (``store.fingerprint``), or None.
     signed_by: str | None = None
+    # --dry-run: the warmers that would run, and the factors that differ from the current
+    # generation's stamp ({"factor", "current", "new"}; a value None: absent on that side).
+    would_run: list[str] = field(default_factory=list)
+    changed: list[dict[str, str | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)  # read back from the warm process's JSON
@@ -200,22 +207,7 @@ def warm_arch(
     start = time.perf_counter()
     signer = fingerprint(signing_key) if signing_key is not None else None
     others = _rotated_out(signing_key, trusted)
-    os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
-    configs = kc.spec.warmers_for(arch)
-    warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
-    sources = {name: digest for w in warmers for name, digest in w.sources().items()}
-    product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
-    stamp = stamps.collect(
-        arch=arch,
-        gpu_product=product,
-        sources=sources,
-        workload=workload_of(kc, arch),
-        extra=declared_factors(kc),
-        measured=sorted({name for w in warmers for name in w.measured_factors()}),
-        sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
-        paths={name: path for w in warmers for name, path in w.path_factors().items()},
-        ask_triton=True,
-    )
+    configs, warmers, product, stamp = _arch_stamp(kc, spec_dir, arch)
     key = cache_key(kc, arch)
 
     def waiting(holder: str) -> None:
@@ -253,6 +245,76 @@ def warm_arch(
     return done(Status.PUBLISHED, manifest)
 
 
+def _arch_stamp(
+    kc: KernelCache, spec_dir: Path | None, arch: str
+) -> tuple[list[Any], list[Any], str | None, stamps.Stamp]:
+    """The arch's warmer configs, its warmers, the GPU product its tuning is for, and the
+    stamp a warm would publish under (the key: computed before anything compiles)."""
+    os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
+    configs = kc.spec.warmers_for(arch)
+    warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
+    sources = {name: digest for w in warmers for name, digest in w.sources().items()}
+    product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
+    stamp = stamps.collect(
+        arch=arch,
+        gpu_product=product,
+        sources=sources,
+        workload=workload_of(kc, arch),
+        extra=declared_factors(kc),
+        measured=sorted({name for w in warmers for name in w.measured_factors()}),
+        sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
+        paths={name: path for w in warmers for name, path in w.path_factors().items()},
+        ask_triton=True,
+    )
+    return configs, warmers, product, stamp
+
+
+def plan_arch(
+    kc: KernelCache, spec_dir: Path | None, store: Store, arch: str, *, force: bool = False
+) -> ArchResult:
+    """What ``warm_arch`` would do for one arch, and why, with nothing compiled, locked or
+    written: up to date (the current generation has the stamp), re-point a kept generation
+    that has it (once it verifies in full), or compile: then the warmers that would run and
+    the factors that differ from the current generation's stamp. A signature is checked by
+    the warm itself, not here."""
+    start = time.perf_counter()
+    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch)
+    key = cache_key(kc, arch)
+    current = store.current_manifest(key)
+    result = ArchResult(arch=arch, status=Status.WOULD_COMPILE, stamp=stamp.digest)
+    if current is not None and not force:
+        if current.stamp.get("digest") == stamp.digest:
+            result.status, result.generation = Status.UP_TO_DATE, current.generation
+            result.message = "the current generation has this stamp"
+        else:
+            kept = next(
+                (m for _, m in store.rollback_order(key)
+                 if m is not None and m.stamp.get("digest") == stamp.digest),
+                None,
+            )  # fmt: skip
+            if kept is not None:
+                result.status, result.generation = Status.WOULD_RE_POINT, kept.generation
+                result.message = (
+                    f"kept generation {kept.generation[:16]} has this stamp: made current "
+                    "again once it verifies in full"
+                )
+    if result.status is Status.WOULD_COMPILE:
+        result.would_run = [w.label for w in warmers]
+        if force:
+            result.message = "--force: compiled whatever the store holds"
+        elif current is None:
+            result.message = f"{key}: no generation published yet"
+        else:
+            diffs = stamps.explain(stamps.Stamp.from_dict(current.stamp), stamp)
+            result.changed = [{"factor": d.name, "current": d.left, "new": d.right} for d in diffs]
+            sides = (stamps.generation_side(current.generation), "this build")
+            shown = "; ".join(d.describe(sides) for d in diffs[:3])
+            more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+            result.message = f"the stamp differs: {shown}{more}"
+    result.seconds = round(time.perf_counter() - start, 3)
+    return result
+
+
 def _rotated_out(signing_key: Any, trusted: Sequence[Any] | None) -> list[Any]:
     """The trusted keys other than the signing key's own; refuses a signing key that the
     trusted keys do not include (pods would refuse every generation it signs)."""
@@ -276,6 +338,7 @@ def build(
     signing_key_path: Path | None = None,
     public_key_path: Path | None = None,
     force: bool = False,
+    dry_run: bool = False,
     on_start: Callable[[str], None] = lambda arch: None,
     on_output: Callable[[str, str], None] = lambda arch, line: None,
     on_done: Callable[[ArchResult], None] = lambda result: None,
@@ -283,7 +346,8 @@ def build(
     """Run ``kernelcache warm`` for each arch in its own process, one after another.
 
     ``on_output`` gets every line the warm process prints (its warmers' too), as it prints
-    it, except its final error line: that becomes the failed result's message.
+    it, except its final error line: that becomes the failed result's message. ``dry_run``:
+    each says what it would do and why (``plan_arch``), compiling nothing.
     """
     results = []
     for arch in arches:
@@ -293,7 +357,7 @@ def build(
             store_root,
             arch,
             (signing_key_path, public_key_path),
-            force,
+            [*(["--force"] if force else []), *(["--dry-run"] if dry_run else [])],
             functools.partial(on_output, arch),
         )
         on_done(result)
@@ -311,7 +375,7 @@ def _warm_in_subprocess(
     store_root: Path,
     arch: str,
     keys: tuple[Path | None, Path | None],
-    force: bool,
+    flags: list[str],
     on_output: Callable[[str], None],
 ) -> ArchResult:
     with tempfile.TemporaryDirectory(prefix="kernelcache-warm-") as tmp:
@@ -324,8 +388,7 @@ def _warm_in_subprocess(
         for option, key_path in zip(("--signing-key", "--public-key"), keys, strict=True):
             if key_path is not None:
                 cmd += [option, str(key_path)]
-        if force:
-            cmd.append("--force")
+        cmd += flags
         start = time.perf_counter()
         errors: list[str] = []
         ours = False  # the last failure line is kernelcache's own "error:" line

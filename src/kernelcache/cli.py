@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import functools
 import json
 import os
 import re
@@ -29,6 +31,7 @@ from kernelcache.errors import (
     ExitCode,
     KernelCacheError,
     MissingGenerationError,
+    NoGpuInfoError,
     NotInstalledError,
     SignatureError,
     SpecError,
@@ -99,14 +102,17 @@ def cmd_build(args: argparse.Namespace) -> int:
     """Warm every arch of a spec in its own process, seal and publish, then print a table.
 
     What the warmers print streams to stderr as they print it, each kernel compiled with its
-    time; the tables (or --json) go to stdout, a failed arch's reason once to stderr.
+    time; the tables (or --json) go to stdout, a failed arch's reason once to stderr. With
+    --dry-run each arch says what it would do and why (up to date, a kept generation to make
+    current again, or the warmers to run and the stamp factors that changed), compiling and
+    writing nothing.
     """
     from kernelcache import build
 
     kc = _load_spec(args.file)
     arches = _arches(kc, args.arch)
     _check_key_file(args.signing_key, "--signing-key")
-    view = output.BuildView(kc)
+    view = output.BuildView(kc, dry_run=args.dry_run)
     try:
         results = build.build(
             args.file.resolve(),
@@ -115,6 +121,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             signing_key_path=args.signing_key,
             public_key_path=args.public_key,
             force=args.force,
+            dry_run=args.dry_run,
             on_start=view.started,
             on_output=view.line,
             on_done=view.done,
@@ -125,7 +132,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(output.build_json(kc, results, code))
     else:
-        for table in output.build_tables(kc, results):
+        for table in output.build_tables(kc, results, dry_run=args.dry_run):
             _console().print(table)
     for r in results:
         if r.status == "failed":
@@ -134,7 +141,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    """Warm one arch into the store (what a compile Job runs)."""
+    """Warm one arch into the store (what a compile Job runs); --dry-run: say what it would
+    do and why, compiling and writing nothing."""
     from kernelcache import build, progress
     from kernelcache.store import Store
 
@@ -142,23 +150,32 @@ def cmd_warm(args: argparse.Namespace) -> int:
     (arch,) = _arches(kc, [args.arch])
     if args.result is not None:
         _check_output_dir(args.result, "--result")
+    if args.dry_run and args.push:
+        raise SpecError("--dry-run publishes nothing: there is nothing to --push")
     if args.progress or contract.PROGRESS.read(os.environ):
         progress.show()
-    result = build.warm_arch(
-        kc,
-        args.file.resolve().parent,
-        Store(args.store),
-        arch,
-        signing_key=_signing_key(args.signing_key),
-        trusted=_trusted_keys(args.public_key),
-        force=args.force,
-    )
+    if args.dry_run:
+        result = build.plan_arch(
+            kc, args.file.resolve().parent, Store(args.store), arch, force=args.force
+        )
+    else:
+        result = build.warm_arch(
+            kc,
+            args.file.resolve().parent,
+            Store(args.store),
+            arch,
+            signing_key=_signing_key(args.signing_key),
+            trusted=_trusted_keys(args.public_key),
+            force=args.force,
+        )
     if args.push:
         result.artifact = _push(args, kc, arch, result.generation)
     if args.result is not None:
         build.write_result(args.result, result)
     if args.json:
         output.print_json(asdict(result))
+    elif args.dry_run:
+        print(output.plan_line(result))
     else:
         print(
             f"{result.arch}: {result.status} generation {result.generation} ({result.files} files)"
@@ -402,7 +419,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         except KernelCacheError as exc:
             failures.append(exc)
             print(error_line(exc), file=sys.stderr)
-            rows.append({"key": key, "error": error_object(exc.code, error_line(exc))["error"]})
+            rows.append({"key": key, "error": error_object(exc)["error"]})
             continue
         for m in generations:
             rows.append(
@@ -472,40 +489,47 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check this environment before anything runs: GPU and arch, toolchains, cache variables,
     the start-up hook, and against a generation the stamp factors that would make it miss.
+    Every check is reported, whatever the others found.
 
     The generation is a generation dir or MANIFEST.json, with --store a key or generation id,
     or the current one of -f SPEC in --store for this arch; -f alone checks the toolchains
     the spec's warmers need.
     """
     from kernelcache import doctor
-    from kernelcache.store import Store
 
-    manifest, warmer_types = None, None
-    if args.generation is not None:
-        manifest = _manifest_of(args.generation, args.store)
-    if args.file is not None:
-        kc = _load_spec(args.file)
-        warmer_types = [w.type for w in kc.spec.warmers]
-        if args.store is not None:
-            from kernelcache import build, stamp
-
-            arch = stamp.detect_arch(args.arch)
-            manifest = Store(args.store).current_manifest(build.cache_key(kc, arch))
-            if manifest is None:
-                raise MissingGenerationError(
-                    f"{build.cache_key(kc, arch)}: no published generation in {args.store}"
-                )
+    kc = _load_spec(args.file) if args.file is not None else None
+    generation = None
+    if args.generation is not None or (kc is not None and args.store is not None):
+        generation = functools.partial(_doctor_generation, args, kc)
     report = doctor.diagnose(
-        manifest=manifest,
-        warmer_types=warmer_types,
+        generation=generation,
+        warmer_types=[w.type for w in kc.spec.warmers] if kc is not None else None,
         arch=args.arch,
-        need_arch=manifest is not None or args.arch is not None,
+        arches=kc.spec.arches() if kc is not None else None,
     )
     if args.json:
         output.print_json(report.to_dict())
     else:
         _console().print(output.doctor_table(report))
     return report.exit_code
+
+
+def _doctor_generation(args: argparse.Namespace, kc: Any, arch: str | None) -> Any:
+    """The generation doctor compares with: the one named, else the spec's current one in
+    the store for ``arch`` (the one seen here)."""
+    from kernelcache import build
+
+    if args.generation is not None:
+        return _manifest_of(args.generation, args.store)
+    if arch is None:
+        raise NoGpuInfoError(
+            f"no arch here to pick the spec's generation by: --arch {' or '.join(kc.spec.arches())}"
+        )
+    key = build.cache_key(kc, arch)
+    manifest = _existing_store(args.store).current_manifest(key)
+    if manifest is None:
+        raise MissingGenerationError(f"{key}: no published generation in {args.store}")
+    return manifest
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -649,10 +673,47 @@ def _non_negative(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is a failure like every other (``main`` reports it)."""
+    """argparse, but a bad command line is a failure like every other (``main`` reports it);
+    no option is taken by an abbreviation (as kubectl and helm take none), an unknown option
+    is named before anything else the words lack, and a mistyped option, command or choice
+    gets the nearest one suggested."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> Any:
         raise SpecError(f"{self.prog}: {one_line(message)}")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        words = sys.argv[1:] if args is None else list(args)
+        for word in words:
+            if word == "--" or (self._subparsers is not None and not word.startswith("-")):
+                break  # past the options: positionals, or the command's own words
+            if word.startswith("-") and not _NUMBER.match(word):
+                name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+                if name not in self._option_string_actions:
+                    self.error(f"unknown option {name}{_did_you_mean(name, self._known_options())}")
+        return super().parse_known_args(args, namespace)
+
+    def _known_options(self) -> list[str]:
+        return [o for o in self._option_string_actions if o.startswith("--")]
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(
+                action,
+                f"invalid choice: {value!r}{_did_you_mean(str(value), choices)} "
+                f"(choose from {', '.join(choices)})",
+            )
+
+
+_NUMBER = re.compile(r"^-\d")  # a negative number is a value, not an option
+
+
+def _did_you_mean(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -703,6 +764,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"
         )
 
+    def dry_run_arg(p: Any) -> None:
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="compile nothing: say what would be compiled, from which stamp, and why",
+        )
+
     def trusted_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--public-key",
@@ -718,6 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    dry_run_arg(p)
     json_arg(p, "build.json")
 
     p = add("warm", cmd_warm, "warm and publish one arch (the compile Job's command)", _warm_failed)
@@ -727,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    dry_run_arg(p)
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(
         "--push", metavar="REPOSITORY", help="then push the generation there (tag: its id)"
@@ -932,8 +1002,22 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Every failure, a bad command line included, is reported here and
     only here: its one line on stderr, the exit code of its class and, when ``--json`` was
     asked for, one failure object on stdout (the command's own, else ``error_object``), so a
-    new subcommand gets all three without a line of its own."""
+    new subcommand gets all three without a line of its own.
+
+    A reader that stops reading (``| head``, a closed ``less``) ends the command quietly with
+    141, as a command killed by SIGPIPE exits in a shell: no line, no traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        try:
+            return _run(argv)
+        finally:  # what is still buffered meets a closed pipe here, not at interpreter exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        output.detach_closed_outputs()
+        return int(ExitCode.BROKEN_PIPE)
+
+
+def _run(argv: list[str]) -> int:
     args = None
     start = time.perf_counter()
     with _interrupts() as interrupted:
@@ -941,6 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
             return int(args.func(args))
         except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class
+            if isinstance(exc, BrokenPipeError) and output.outputs_closed():
+                raise  # the reader went away: main ends quietly
             # A Ctrl-C is the cause of whatever failure it led to on its way out (a warmer's
             # child ended by it first, a pipe it closed): the exit is 130 all the same.
             failure: BaseException = KeyboardInterrupt() if interrupted else exc
@@ -949,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = getattr(args, "failed", None)
     payload = failed(args, code, line, time.perf_counter() - start) if failed else None
     if _wants_json(argv):
-        output.print_json(payload if payload is not None else error_object(code, line))
+        output.print_json(payload if payload is not None else error_object(failure))
     return code
 
 

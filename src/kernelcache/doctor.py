@@ -4,7 +4,9 @@ Before anything runs (a warm, a serving pod) it says what the tools will see: th
 arch, which toolchains import and at which version, where each cache variable points and
 whether it can be written, whether the start-up hook is installed, and, against a
 generation, exactly the stamp factors that would make it miss. Every check is a row with a
-status; a failed row carries the exit code of its class, and the first one is the command's.
+status, every one reported whatever the others found: ``warn`` is something to act on,
+``info`` what is worth knowing; a failed row carries the exit code of its class, and the
+first one is the command's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import site
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +47,8 @@ print(json.dumps(out))
 
 @dataclass
 class Check:
-    """One row: ``status`` is ok, warn or fail; a failed row carries its exit code."""
+    """One row: ``status`` is ok, info (worth knowing, nothing to do), warn (something to
+    act on) or fail; a failed row carries its exit code."""
 
     check: str
     status: str
@@ -73,17 +77,30 @@ class Report:
         }
 
 
+# The generation to compare with, given the arch seen here (None: none seen); it raises a
+# KernelCacheError when it cannot be found or read, which is that row's failure.
+GenerationOf = Callable[[str | None], Any]
+
+
 def diagnose(
     *,
-    manifest: Any = None,
+    generation: GenerationOf | None = None,
     warmer_types: list[str] | None = None,
     arch: str | None = None,
-    need_arch: bool = False,
+    arches: list[str] | None = None,
 ) -> Report:
-    """Every check; ``manifest`` (a generation's) adds the stamp comparison, ``warmer_types``
-    (a spec's) names the toolchains that must import. ``need_arch``: no arch is a failure."""
+    """Every check, each reported whatever the others found: ``generation`` adds the
+    stamp comparison (an arch is then needed), ``warmer_types`` (a spec's) names the
+    toolchains that must import; ``arches`` (a spec's) are named where no arch is seen."""
     report = Report()
-    seen_arch = _check_gpu(report, arch, need_arch)
+    hint = f"name this node's arch with --arch ({' or '.join(arches or ['e.g. sm_90a'])})"
+    seen_arch = _check_gpu(report, arch, generation is not None or arch is not None, hint)
+    manifest = None
+    if generation is not None:
+        try:
+            manifest = generation(seen_arch)
+        except KernelCacheError as exc:
+            report.add("generation", "fail", exc.message, exc.code)
     needed = _needed_toolchains(warmer_types or [], manifest)
     everyone: dict[str, tuple[str, str] | None] = {
         t.label: t.requires for t in toolchains() if t.requires is not None
@@ -96,12 +113,16 @@ def diagnose(
     return report
 
 
-def _check_gpu(report: Report, arch: str | None, need_arch: bool) -> str | None:
+def _check_gpu(report: Report, arch: str | None, need_arch: bool, hint: str) -> str | None:
     try:
-        seen = stamps.detect_arch(arch)
+        seen = stamps.detect_arch(arch, hint)
     except NoGpuInfoError as exc:
-        status = "fail" if need_arch else "warn"
-        report.add("gpu", status, exc.message, ExitCode.NO_GPU_INFO)
+        if need_arch:
+            report.add("gpu", "fail", exc.message, ExitCode.NO_GPU_INFO)
+        else:  # building needs no GPU: CuTe-DSL compiles for any arch given CUTE_DSL_ARCH
+            why = exc.message.partition("; ")[0].removeprefix("cannot determine the target arch: ")
+            detail = f"no arch seen here ({why}): none is needed to build for a spec's arches"
+            report.add("gpu", "info", detail)
         return None
     product = stamps.detect_gpu_product(seen)
     source = "given" if arch else ("CUTE_DSL_ARCH" if os.environ.get("CUTE_DSL_ARCH") else "GPU")
@@ -142,6 +163,9 @@ def _check_toolchains(
         error = failures.get(module)
         if error is None and version is not None:
             report.add(f"toolchain/{toolchain}", "ok", f"{dist}=={version}, import {module} ok")
+            continue
+        if version is None and not required:  # only a spec or generation that uses it needs it
+            report.add(f"toolchain/{toolchain}", "info", f"{dist} is not installed")
             continue
         detail = f"{dist} is not installed" if version is None else f"import {module}: {error}"
         status = "fail" if required else "warn"
@@ -189,16 +213,27 @@ def _check_cache_env(report: Report, with_generation: bool) -> None:
 
 
 def _check_hook(report: Report) -> None:
+    """A warning only where the runtime is asked for (``KERNELCACHE_RUNTIME=1``, as the
+    webhook sets it in serving pods) and nothing would start it."""
     # site runs only the .pth files directly in a site directory, not those on PYTHONPATH.
     dirs = [*site.getsitepackages(), site.getusersitepackages()]
     found = next((Path(d) / HOOK_FILE for d in dirs if (Path(d) / HOOK_FILE).is_file()), None)
-    if found is None:
-        detail = f"{HOOK_FILE} is in no site directory: call kernelcache.runtime.install()"
-        report.add("startup-hook", "warn", detail)
-    elif contract.RUNTIME.read(os.environ):
+    enabled = contract.RUNTIME.read(os.environ)
+    if found is not None and enabled:
         report.add("startup-hook", "ok", f"{found}, enabled ({contract.RUNTIME.name}=1)")
+    elif found is not None:
+        detail = f"{found}, off ({contract.RUNTIME.name}=1 turns it on, as serving pods get it)"
+        report.add("startup-hook", "info", detail)
+    elif enabled:
+        detail = (
+            f"{contract.RUNTIME.name}=1 but {HOOK_FILE} is in no site directory: nothing "
+            "starts the runtime; install kernelcache into the environment or call "
+            "kernelcache.runtime.install()"
+        )
+        report.add("startup-hook", "warn", detail)
     else:
-        report.add("startup-hook", "warn", f"{found}, off ({contract.RUNTIME.name} is not 1)")
+        detail = f"{HOOK_FILE} is in no site directory: serving code calls runtime.install()"
+        report.add("startup-hook", "info", detail)
 
 
 def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:

@@ -26,8 +26,9 @@ class ExitCode(IntEnum):
     IO = 10  # the store or target could not be read or written (disk full, permissions)
     WARM_FAILED = 11  # a warmer failed, exited or timed out, or a declared one produced nothing
     LOCKED = 12  # another writer holds the key and the wait timed out
-    NOT_INSTALLED = 13  # a command needs a package that is not installed (its extra named)
+    NOT_INSTALLED = 13  # a package or a kernel module a command needs cannot be imported here
     INTERRUPTED = 130  # stopped by SIGINT (Ctrl-C): 128 + the signal, as shells report it
+    BROKEN_PIPE = 141  # the reader of stdout went away (`| head`): 128 + SIGPIPE, as `yes` exits
 
 
 EXIT_CODE_HELP = {
@@ -41,11 +42,12 @@ EXIT_CODE_HELP = {
     ExitCode.MALFORMED_MANIFEST: "manifest unreadable or wrong schema",
     ExitCode.UNSAFE_PATH: "a path or symlink escapes the generation",
     ExitCode.NO_GPU_INFO: "target arch could not be determined",
-    ExitCode.IO: "store or target missing or not readable/writable (disk full, permissions)",
+    ExitCode.IO: "store, target or kubeconfig missing or unusable (disk full, permissions)",
     ExitCode.WARM_FAILED: "a warmer failed, exited, timed out or produced nothing",
     ExitCode.LOCKED: "another writer holds the key (and the wait timed out)",
-    ExitCode.NOT_INSTALLED: "a package the command needs is not installed",
+    ExitCode.NOT_INSTALLED: "a package or kernel module the command needs does not import here",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C): nothing half-published",
+    ExitCode.BROKEN_PIPE: "the output's reader went away (a closed pipe): stopped quietly",
 }
 
 
@@ -66,14 +68,25 @@ def one_line(text: object) -> str:
 
 
 class KernelCacheError(Exception):
-    """A failure with a one-line message and the exit code of its class."""
+    """A failure with a one-line message and the exit code of its class; what it is about,
+    where known, as fields too (``--json`` carries them): the file (``path``), the stamp
+    factor or the spec field."""
 
     code: ExitCode = ExitCode.FAILURE
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        factor: str | None = None,
+        field: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.path = path
+        self.factor = factor
+        self.field = field
 
 
 class SpecError(KernelCacheError):
@@ -149,10 +162,20 @@ def ended_by_interrupt(returncode: int | None) -> bool:
     return returncode in (-signal.SIGINT, ExitCode.INTERRUPTED)
 
 
-def error_object(code: int, message: str) -> dict[str, object]:
+def error_object(exc: BaseException) -> dict[str, object]:
     """What every ``--json`` command prints when it fails (``docs/cli-schemas/error.json``):
-    a script reads the class and the line from stdout, whatever the command."""
-    return {"ok": False, "error": {"exit_code": int(code), "message": message}}
+    a script reads the class, the file, factor or field, and the line from stdout, whatever
+    the command."""
+    code = exit_code_of(exc)
+    error: dict[str, object] = {
+        "exit_code": code,
+        "class": ExitCode(code).name.lower(),
+        "message": error_line(exc),
+    }
+    if isinstance(exc, KernelCacheError):
+        subject = {"path": exc.path, "factor": exc.factor, "field": exc.field}
+        error.update({name: value for name, value in subject.items() if value is not None})
+    return {"ok": False, "error": error}
 
 
 class ColdCompileError(RuntimeError):

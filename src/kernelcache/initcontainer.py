@@ -415,9 +415,10 @@ def _key_and_arch(options: Options, node: NodeInfo) -> tuple[str, str]:
 
 
 def check_store_root(root: Path) -> None:
-    """A store root that is missing or cannot be listed (not a directory, permissions) is
-    an I/O failure, not an absent generation: say so rather than "nothing published". A
-    store that was never written to is an empty directory (a fresh volume), not no path."""
+    """A store root that is missing or cannot be listed (not a directory, permissions), or a
+    directory that is not a store (a typo'd path that exists), is an I/O failure, not an
+    absent generation or an empty store: say so rather than "nothing published". A store
+    that was never written to is an empty directory (a fresh volume), not no path."""
     try:
         with os.scandir(root):
             pass
@@ -427,6 +428,13 @@ def check_store_root(root: Path) -> None:
         raise StorageError(
             f"{root}: store not readable: {_one_line(exc.strerror)}", path=str(root)
         ) from exc
+    if foreign := Store(root).foreign_entries():
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise StorageError(
+            f"{root}: not a store: no NAMESPACE/NAME/ARCH key in it, and it holds "
+            f"{', '.join(foreign[:3])}{more}",
+            path=str(root),
+        )
 
 
 def _built_arches(store: Store, key: str) -> list[str]:

@@ -11,7 +11,9 @@ import inspect
 import json
 import os
 import re
+import select
 import sys
+import textwrap
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict
@@ -56,9 +58,10 @@ def table(
     right: Collection[str] = (),
 ) -> Any:
     """A rich table whose ``whole`` columns (what a reader looks a row up by: a key, an
-    arch, a status) are never cut or wrapped; the other columns wrap instead. Where the
-    width leaves the others too little room to be read, each row is printed as a record:
-    its whole columns on one line, the others below as ``name: value``."""
+    arch, a status) are never cut or wrapped; the other columns wrap between words, never
+    inside one (a path, a version). Where the width leaves the others too little room for
+    that, each row is printed as a record: its whole columns on one line, the others below
+    as ``name: value``."""
     return _Table(title, columns, rows, whole, right)
 
 
@@ -83,13 +86,18 @@ class _Table:
     def _width(self, i: int) -> int:
         return max([len(self.columns[i]), *(len(row[i]) for row in self.rows)])
 
+    def _narrowest(self, i: int) -> int:
+        """A column's fewest characters: a whole column's widest cell, a wrapping one's
+        longest word (and at least ``NARROWEST_WRAPPED``, when its cells are that wide)."""
+        if self.columns[i] in self.whole:
+            return self._width(i)
+        words = [len(w) for row in self.rows for w in row[i].split()]
+        return min(self._width(i), max([NARROWEST_WRAPPED, len(self.columns[i]), *words]))
+
     def _needed(self) -> int:
-        """Characters the table needs: whole columns in full, the others at their narrowest,
-        and each cell's border and padding."""
-        return 1 + sum(
-            3 + (self._width(i) if name in self.whole else min(self._width(i), NARROWEST_WRAPPED))
-            for i, name in enumerate(self.columns)
-        )
+        """Characters the table needs: each column at its narrowest, and each cell's border
+        and padding."""
+        return 1 + sum(3 + self._narrowest(i) for i in range(len(self.columns)))
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.table import Table
@@ -99,11 +107,11 @@ class _Table:
             t = Table(title=self.title)
             for i, name in enumerate(self.columns):
                 justify: Literal["left", "right"] = "right" if name in self.right else "left"
+                narrowest = self._narrowest(i)
                 if name in self.whole:
-                    width = self._width(i)
-                    t.add_column(name, justify=justify, no_wrap=True, min_width=width)
+                    t.add_column(name, justify=justify, no_wrap=True, min_width=narrowest)
                 else:
-                    t.add_column(name, justify=justify, overflow="fold")
+                    t.add_column(name, justify=justify, overflow="fold", min_width=narrowest)
             for row in self.rows:
                 t.add_row(*row)
             yield t
@@ -113,8 +121,36 @@ class _Table:
             cells = list(zip(self.columns, row, strict=True))
             yield Text("  ".join(v for name, v in cells if name in self.whole and v))
             for name, value in cells:
-                if name not in self.whole and value:
-                    yield Text(f"    {name}: {value}", overflow="fold")
+                if name not in self.whole and value:  # wrapped between words, indented
+                    for line in textwrap.wrap(
+                        f"{name}: {value}",
+                        width=max(options.max_width, NARROWEST_WRAPPED + 6),
+                        initial_indent="    ",
+                        subsequent_indent="      ",
+                        break_on_hyphens=False,
+                    ):
+                        yield Text(line, overflow="fold")
+
+
+_OUTPUTS = (1, 2)  # the process's stdout and stderr, whatever sys.stdout is rebound to
+
+
+def outputs_closed() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone (``| head`` has exited): a
+    ``BrokenPipeError`` from anything else (a child's pipe) is a failure to report."""
+    poller = select.poll()
+    for fd in _OUTPUTS:
+        poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def detach_closed_outputs() -> None:
+    """Point stdout and stderr at /dev/null, so that nothing flushed at exit meets the
+    closed pipe again (Python would print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in _OUTPUTS:
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def print_json(payload: Any) -> None:
@@ -153,14 +189,17 @@ def verify_json(outcome: Outcome) -> dict[str, Any]:
     }
 
 
+LIVE_CLOCK = 12  # the live line's spinner, clock and the spaces between them
+
+
 class BuildView:
     """What ``kernelcache build`` shows while it runs: the warm processes' lines, each kernel
     compiled with the elapsed time, and on a terminal a live line for the arch being warmed."""
 
-    def __init__(self, kc: KernelCache) -> None:
+    def __init__(self, kc: KernelCache, dry_run: bool = False) -> None:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.name = kc.metadata.name
+        self.name, self.dry_run = kc.metadata.name, dry_run
         self.err = console(stderr=True)
         self.live = None
         if self.err.is_terminal:  # a spinner, the kernels so far and a running clock
@@ -176,12 +215,17 @@ class BuildView:
         return f"{time.perf_counter() - self.start:.1f} s"
 
     def _describe(self) -> str:
-        return f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled"
+        """The live line's text; a narrow terminal shortens it, with an ellipsis, and never
+        the clock beside it (the spinner and ``H:MM:SS`` take ``LIVE_CLOCK``)."""
+        text = f"warming {self.name} for {self.arch}: {self.compiled} kernel(s) compiled"
+        room = self.err.width - LIVE_CLOCK
+        return text if len(text) <= room else text[: max(room - 1, 0)] + "…"
 
     def started(self, arch: str) -> None:
         self.arch, self.start, self.compiled = arch, time.perf_counter(), 0
         if self.live is None:
-            print(f"{arch}: warming {self.name}", file=sys.stderr, flush=True)
+            doing = "checking (dry run)" if self.dry_run else "warming"
+            print(f"{arch}: {doing} {self.name}", file=sys.stderr, flush=True)
             return
         if self.task is not None:
             self.live.remove_task(self.task)
@@ -207,6 +251,8 @@ class BuildView:
             self.live.update(self.task, description=self._describe())
 
     def done(self, result: ArchResult) -> None:
+        if self.dry_run and result.status != "failed":
+            return  # the warm's own line said what it would do and why
         if result.status == "failed":
             detail = f"exit {result.exit_code}"
         else:
@@ -223,8 +269,20 @@ class BuildView:
             self.live.stop()
 
 
-def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
-    """The per-arch table and, when anything was compiled, the per-toolchain summary."""
+def plan_line(result: ArchResult) -> str:
+    """What a dry run found for an arch, on one line: its status, the stamp, why."""
+    running = f"; would run {', '.join(result.would_run)}" if result.would_run else ""
+    stamp = str(result.stamp).removeprefix("blake3:")[:16]
+    return f"{result.arch}: {result.status} (stamp {stamp}): {result.message}{running}"
+
+
+def build_tables(
+    kc: KernelCache, results: Sequence[ArchResult], dry_run: bool = False
+) -> list[Any]:
+    """The per-arch table and, when anything was compiled, the per-toolchain summary; for a
+    dry run, what each arch would do and why."""
+    if dry_run:
+        return [_plan_table(kc, results)]
     rows = [
         [
             r.arch,
@@ -269,6 +327,26 @@ def build_tables(kc: KernelCache, results: Sequence[ArchResult]) -> list[Any]:
             )
         )
     return tables
+
+
+def _plan_table(kc: KernelCache, results: Sequence[ArchResult]) -> Any:
+    rows = [
+        [
+            r.arch,
+            r.status,
+            (r.generation or "-")[:16],
+            str(r.stamp or "-").removeprefix("blake3:")[:16],
+            ", ".join(r.would_run) or "-",
+            r.message,
+        ]
+        for r in results
+    ]
+    return table(
+        f"kernelcache build --dry-run {kc.metadata.namespace}/{kc.metadata.name}",
+        ("arch", "status", "generation", "stamp", "would run", "why"),
+        rows,
+        whole=("arch", "status", "generation"),
+    )
 
 
 def slowest(kernels: Sequence[dict[str, Any]], toolchain: str) -> str:

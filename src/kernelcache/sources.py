@@ -28,7 +28,9 @@ import ast
 import importlib.machinery
 import importlib.util
 import os
+import site
 import sys
+import sysconfig
 import threading
 from collections.abc import Iterator
 from functools import cache
@@ -43,6 +45,7 @@ __all__ = [
     "ABSENT",
     "SourceError",
     "find_spec_without_import",
+    "import_problem",
     "module_sources",
     "parse",
     "script_sources",
@@ -199,6 +202,34 @@ def find_spec_without_import(module_name: str) -> ModuleSpec | None:
             spec = ModuleSpec(name, None, is_package=True)
             spec.submodule_search_locations = [p for p in portions if os.path.isdir(p)]
     return spec
+
+
+def import_problem(name: str) -> str:
+    """Why ``name`` is not found here, as an import would say it, and where it was
+    looked for (nothing is imported): the line that names a kernel module missing here."""
+    try:
+        spec = find_spec_without_import(name)
+    except (ImportError, ValueError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    else:
+        if spec is not None:
+            return f"{name} is found at {spec.origin}"
+        problem = f"ModuleNotFoundError: No module named {name!r}"
+    return f"{problem} (looked in {', '.join(_searched())} and the installed packages)"
+
+
+def _searched() -> list[str]:
+    """The folders of ``sys.path`` a person puts modules in: not the standard library's,
+    not a site directory (those hold what is installed)."""
+    system = {sysconfig.get_path(n) for n in ("stdlib", "platstdlib", "purelib", "platlib")}
+    installed = [os.path.realpath(p) for p in (*site.getsitepackages(), *system) if p]
+    shown: list[str] = []
+    for entry in sys.path:
+        path = os.path.realpath(entry or ".")
+        inside = any(path == d or path.startswith(d + os.sep) for d in installed)
+        if not inside and not entry.endswith(".zip") and entry not in shown:
+            shown.append(entry or ".")
+    return shown
 
 
 def _in_installed_package(name: str) -> bool:

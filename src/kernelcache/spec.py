@@ -1064,7 +1064,9 @@ def parse_kernelcache(obj: Any, source: str) -> KernelCache:
         path, what = _describe(_first_error(errors))
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         where = f"{path}: " if path else ""
-        raise SpecError(_one_line(f"{source}: {where}{what}{more}"), path=source) from None
+        raise SpecError(
+            _one_line(f"{source}: {where}{what}{more}"), path=source, field=path or None
+        ) from None
 
 
 def load_kernelcache(path: str | Path) -> KernelCache:

@@ -44,9 +44,21 @@ import blake3
 from kernelcache import contract
 from kernelcache.arch import arch_problem, from_compute_capability
 from kernelcache.documents import load_json
-from kernelcache.errors import ManifestError, NoGpuInfoError, SpecError, StampMismatchError
+from kernelcache.errors import (
+    ManifestError,
+    NoGpuInfoError,
+    NotInstalledError,
+    SpecError,
+    StampMismatchError,
+)
 from kernelcache.settings import SETTING_PREFIX, compile_settings
-from kernelcache.sources import SourceError, find_spec_without_import, module_sources
+from kernelcache.sources import (
+    ABSENT,
+    SourceError,
+    find_spec_without_import,
+    import_problem,
+    module_sources,
+)
 
 __all__ = [
     "DEFAULT_DISTRIBUTIONS",
@@ -312,7 +324,7 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
     tuning results and is checked against the node separately.
     """
     factors = recorded.factors
-    sources = _kernel_sources(n.removeprefix("source/") for n in factors if n.startswith("source/"))
+    sources = _kernel_sources(factors)
     here = collect(
         arch=arch or factors.get("arch"),
         distributions=[n.removeprefix("dist/") for n in factors if n.startswith("dist/")],
@@ -331,13 +343,25 @@ def environment_stamp(recorded: Stamp, arch: str | None = None) -> Stamp:
     return Stamp({**measured, **declared})
 
 
-def _kernel_sources(modules: Iterable[str]) -> dict[str, str]:
+def _kernel_sources(recorded: Mapping[str, str]) -> dict[str, str]:
     """The recorded kernel modules as found here, with every project-local module they import
-    now (one added since the build is a factor added); one that cannot be read is a mismatch."""
+    now (one added since the build is a factor added); one that cannot be read is a mismatch.
+
+    A module the build read that is not found here at all is no stale kernel but an import
+    that would fail (a PYTHONPATH, a folder not copied): its own error, naming the module,
+    the import's error and where it was looked for, not a rebuild to ask for."""
+    modules = [n.removeprefix("source/") for n in recorded if n.startswith("source/")]
     try:
-        return module_sources(*modules)
+        here = module_sources(*modules)
     except SourceError as exc:
         raise StampMismatchError(exc.message) from None
+    for name in modules:
+        if here.get(name) == ABSENT and recorded[f"source/{name}"] != ABSENT:
+            raise NotInstalledError(
+                f"kernel module {name} does not import here: {import_problem(name)}",
+                factor=f"source/{name}",
+            )
+    return here
 
 
 def _sm_count_here(recorded: str) -> str:
@@ -353,7 +377,9 @@ def stamp_mismatch(
     if not diffs:
         return None
     more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    return StampMismatchError(f"stamp mismatch: {diffs[0].describe(sides)}{more}")
+    return StampMismatchError(
+        f"stamp mismatch: {diffs[0].describe(sides)}{more}", factor=diffs[0].name
+    )
 
 
 @dataclass(frozen=True)
@@ -391,14 +417,17 @@ def _declared(kind: str, name: str, value: str) -> str:
     return value
 
 
-def detect_arch(explicit: str | None = None) -> str:
-    """The target arch: ``explicit``, else ``CUTE_DSL_ARCH``, else the visible GPUs."""
+ARCH_HINT = "set CUTE_DSL_ARCH (e.g. sm_90a)"  # where no caller has an option for it
+
+
+def detect_arch(explicit: str | None = None, hint: str = ARCH_HINT) -> str:
+    """The target arch: ``explicit``, else ``CUTE_DSL_ARCH``, else the visible GPUs; ``hint``
+    (how the caller's user names an arch: its option) ends the line when there is none."""
     if explicit is not None:
         return _checked_arch(explicit, "arch")
     from_env = os.environ.get("CUTE_DSL_ARCH")
     if from_env:
         return _checked_arch(from_env, "CUTE_DSL_ARCH")
-    hint = "pass an explicit arch or set CUTE_DSL_ARCH (e.g. sm_90a)"
     try:
         gpus = _visible_gpus()
     except NoGpuInfoError as exc:

@@ -46,7 +46,7 @@ def parse_expect_factor(text: str) -> tuple[str, str]:
 
 def _mismatch(name: str, built: str | None, expected: str, why: str) -> StampMismatchError:
     diff = stamps.FactorDiff(name, built, expected).describe()
-    return StampMismatchError(f"stamp mismatch: {diff} ({why})")
+    return StampMismatchError(f"stamp mismatch: {diff} ({why})", factor=name)
 
 
 def _factors(manifest: Manifest) -> Mapping[str, str]:
@@ -93,7 +93,8 @@ def tuning_to_drop(manifest: Manifest, node: NodeInfo, policy: str) -> tuple[lis
     what = f"{len(tuned)} tuning file{'s' if len(tuned) != 1 else ''}, e.g. {tuned[0]}"
     if policy == "strict":
         raise StampMismatchError(
-            f"stamp mismatch: {diff} ({where}; {what}; --policy permissive drops them)"
+            f"stamp mismatch: {diff} ({where}; {what}; --policy permissive drops them)",
+            factor="gpu_product",
         )
     return tuned, f"{diff} ({where}): dropped {what} (policy permissive)"
 
@@ -110,7 +111,8 @@ def _built_arch(manifest: Manifest, key: str) -> str:
     if not built:
         raise StampMismatchError(
             f"{key}: generation {manifest.generation} has no arch in its stamp (written by an "
-            "older kernelcache): rebuild it (kernelcache build --force)"
+            "older kernelcache): rebuild it (kernelcache build --force)",
+            factor="arch",
         )
     if built != key_arch:
         raise _mismatch("arch", built, key_arch, f"the arch of key {key}")

@@ -10,8 +10,10 @@ runs the handlers that make them in its thread pool.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
+from kernelcache.errors import StorageError, one_line
 from kernelcache.spec import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -50,18 +52,28 @@ class Kube:
 
     @classmethod
     def from_environment(cls, connections: int = 16) -> Kube:
-        """In-cluster service account if there is one, else the default kubeconfig.
+        """In-cluster service account if there is one, else the default kubeconfig; neither
+        is one line naming where they were looked for (a ``StorageError``).
 
         ``connections``: pooled connections, one per thread that may call at once.
         """
         from kubernetes import client, config
+        from kubernetes.config import kube_config
 
         configuration = client.Configuration()
         configuration.connection_pool_maxsize = connections
         try:
             config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)
+        except config.ConfigException as not_in_cluster:
+            try:
+                config.load_kube_config(client_configuration=configuration)
+            except (config.ConfigException, OSError) as exc:
+                where = os.environ.get("KUBECONFIG") or kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+                raise StorageError(
+                    f"no Kubernetes credentials: not in a cluster ({not_in_cluster}) and no "
+                    f"usable kubeconfig at {where} ({one_line(exc)})",
+                    path=where,
+                ) from None
         return cls(client.ApiClient(configuration))
 
     def request(

@@ -112,7 +112,7 @@ def _post(reconciled: Reconciled | None) -> None:
 def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
     _configure(settings)
-    memo.kube = Kube.from_environment(connections=CONFIG.workers)
+    memo.kube = memo.get("kube") or Kube.from_environment(connections=CONFIG.workers)
     memo.node_maps = {}  # namespace -> the node map last written there
     for problem in ensure_peering(memo.kube, CONFIG):
         logger.warning("%s; kopf keeps this replica paused until it exists", problem)
@@ -262,9 +262,12 @@ def peering_identity() -> str:
 
 
 def run(verbose: bool = False) -> int:
-    """Run the operator in this thread until it is stopped (SIGTERM, SIGINT)."""
+    """Run the operator in this thread until it is stopped (SIGTERM, SIGINT). No credentials
+    for a cluster is one line and exit 10 here, before kopf would retry it every minute."""
+    kube = Kube.from_environment(connections=CONFIG.workers)
     kopf.configure(verbose=verbose)
     kopf.run(
+        memo=kopf.Memo(kube=kube),
         clusterwide=not CONFIG.namespaces,
         namespaces=list(CONFIG.namespaces),
         liveness_endpoint=CONFIG.liveness or None,

@@ -8,7 +8,8 @@ also records what the process observably read, by mechanism rather than by name:
 
 - a Python audit hook sees every ``open`` (``exec(open(...).read())``, ``pkgutil.get_data``,
   ``runpy``, a JSON read at import), and every subprocess and socket (what those read cannot
-  be seen: named in the warm report); a finder last on ``sys.meta_path`` sees every import
+  be seen: named in the warm report; not ``ctypes.util.find_library``'s ``ldconfig``, which
+  names a library the process then maps); a finder last on ``sys.meta_path`` sees every import
   nothing could satisfy (an optional helper: ``absent``, so that it appearing moves the key);
 - ``sys.modules`` at the compile names every module loaded, whatever loaded it (a
   ``spec_from_file_location``, a zip archive, a ``.pyc`` without source, a ``.pth`` hook);
@@ -136,13 +137,25 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
             _opened(*args[:3])
         elif event == "socket.connect":
             _seen.unobserved[f"a socket connection to {args[1]!r}: what it read"] = None
-        else:
+        elif not _finding_a_library():
             program = args[0] if args else "?"
             if isinstance(program, (bytes, os.PathLike)):
                 program = os.fsdecode(program)
             _seen.unobserved[f"a subprocess ({program}): the files it read"] = None
     except Exception:  # an audit hook that raises aborts the audited call
         pass
+
+
+def _finding_a_library() -> bool:
+    """Whether ``ctypes.util.find_library`` started the subprocess (``ldconfig -p``, ``gcc``
+    or ``ld`` asked for a library's file name): what it yields is a name, and the library
+    then loaded is mapped, its identity recorded from ``/proc/self/maps``."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "ctypes.util":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _LastFinder:

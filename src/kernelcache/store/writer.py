@@ -118,6 +118,20 @@ class Store:
                 found.append(key)
         return sorted(found)
 
+    def foreign_entries(self) -> list[str]:
+        """What makes the root no store, or nothing: a store is an empty directory (a fresh
+        volume; ``lost+found`` and hidden names aside) or one that holds a key's path,
+        ``NS/NAME/ARCH`` (whatever it has become: a broken key is verify's to name). A
+        typo'd path that exists must not read as an empty store."""
+        with os.scandir(self.root) as entries:
+            shown = sorted(
+                e.name for e in entries if not e.name.startswith(".") and e.name != "lost+found"
+            )
+        for found in self.root.glob("*/*/sm_[0-9]*"):  # the last segment an arch's
+            if key_problem(found.relative_to(self.root).as_posix()) is None:
+                return []
+        return shown
+
     def _read_current(self, key_dir: Path) -> str | None:
         path = key_dir / CURRENT_NAME
         try:

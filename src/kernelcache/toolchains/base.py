@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kernelcache import progress
 from kernelcache.deadline import deadline
 from kernelcache.errors import WarmError, one_line
-from kernelcache.sources import ABSENT, SourceError, module_sources
+from kernelcache.sources import ABSENT, SourceError, import_problem, module_sources
 
 if TYPE_CHECKING:
     from kernelcache.contract import Settings
@@ -269,7 +269,10 @@ def entry_point_sources(
         raise WarmError(f"{kind} warmer: cannot key the kernels: {exc.message}") from exc
     for module in modules:
         if digests.get(module, ABSENT) == ABSENT:
-            raise WarmError(f"{kind} warmer: cannot digest source: module {module} not found")
+            raise WarmError(
+                f"{kind} warmer: cannot import {module}, beside the spec or on sys.path: "
+                f"{import_problem(module)}"
+            )
     return digests
 
 
@@ -363,10 +366,11 @@ def run_warmers(
     for done, (index, warmer) in enumerate(
         zip(positions or range(len(warmers)), warmers, strict=True), 1
     ):
-        progress.note(f"warmer {done}/{len(warmers)} {warmer.label} for {arch}")
+        step = f"warmer {done}/{len(warmers)} {warmer.label}"
+        progress.note(f"{step} for {arch}")
         seconds = warmer.config.timeout_seconds
         late = f"spec.warmers[{index}] ({warmer.label}) ran past timeoutSeconds={seconds}"
-        with deadline(seconds, f"{late} for {arch}"):
+        with deadline(seconds, f"{late} for {arch}"), progress.heartbeat(step, seconds):
             report = warmer.run(files_dir, arch)
         if report.files == 0:
             raise WarmError(
