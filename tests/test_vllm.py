@@ -298,6 +298,28 @@ def test_coverage_enumerates_every_token_count_the_engine_can_run(monkeypatch):
     assert set(first.summary()) == {"fused_moe", "sampler", "compiled graphs"}
 
 
+def test_inspect_and_explain_show_coverage_per_family(built):
+    proc = run_kernelcache("inspect", "--store", str(built["store"]))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if " coverage: " in line]
+    assert lines[0].startswith(
+        f"{KEY} coverage: compiled graphs: not enumerated: vLLM's warm-up compiles"
+    )
+    assert f"{KEY} coverage: fused_moe: 12 specializations from 6 token counts; every " in (
+        "\n".join(lines)
+    )
+    from kernelcache.toolchains.vllm import coverage_diffs
+
+    report = json.loads(built["manifest"].read_text())["report"]
+    fewer = json.loads(json.dumps(report))
+    fewer["warmers"][0]["coverage"]["fused_moe"] = "2 specializations from 1 token counts"
+    [diff] = coverage_diffs(report, fewer)
+    assert diff.startswith("fused_moe: 12 specializations") and diff.endswith(
+        "!= 2 specializations from 1 token counts"
+    )
+    assert coverage_diffs(report, report) == []
+
+
 def test_a_start_whose_generation_lacks_a_specialization_fails_before_ready(built, tmp_path):
     pod = tmp_path / "pod"
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0

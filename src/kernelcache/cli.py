@@ -400,6 +400,8 @@ def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:
     reports = [_manifest_of(ref, store_root).report for ref in (left, right)]
     for line in vllm.factor_diffs(*reports):
         print(f"vllm cache_key_factors: {line}")
+    for line in vllm.coverage_diffs(*reports):
+        print(f"vllm coverage: {line}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -456,7 +458,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     title = f"kernelcache store {args.store}"
     whole, right = ("key", "generation", "current"), ("files", "bytes")
     _console().print(output.table(title, columns, cells, whole=whole, right=right))
+    _print_coverage(store, keys)
     return code
+
+
+def _print_coverage(store: Any, keys: list[str]) -> None:
+    """What each key's current generation enumerated, family by family (vLLM's warm)."""
+    from kernelcache.toolchains import vllm
+
+    for key in keys:
+        with contextlib.suppress(KernelCacheError):
+            current = store.current_manifest(key)
+            for line in vllm.coverage_lines(current.report if current is not None else {}):
+                print(f"{key} coverage: {line}")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

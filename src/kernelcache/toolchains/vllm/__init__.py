@@ -992,6 +992,29 @@ def missing(manifest: Manifest, root: Path) -> list[str]:
     return lost
 
 
+def coverage_lines(report: Mapping[str, Any]) -> list[str]:
+    """``family: what was enumerated`` for each vLLM warmer of a generation's warm report."""
+    return [
+        f"{family}: {line}"
+        for warmer in report.get("warmers") or []
+        for family, line in sorted((warmer.get("coverage") or {}).items())
+    ]
+
+
+def coverage_diffs(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]:
+    """The coverage of two generations' warms, family by family, where it differs."""
+
+    def by_family(report: Mapping[str, Any]) -> dict[str, str]:
+        return dict(line.split(": ", 1) for line in coverage_lines(report))
+
+    a, b = by_family(left), by_family(right)
+    return [
+        f"{family}: {a.get(family, '(absent)')} != {b.get(family, '(absent)')}"
+        for family in sorted(set(a) | set(b))
+        if a.get(family) != b.get(family)
+    ]
+
+
 def factor_diffs(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]:
     """vLLM's own ``cache_key_factors.json`` of two warm reports, compared in vLLM's words."""
 
