@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernelcache.errors import StampMismatchError, StorageError, WarmError
+from kernelcache.errors import ColdCompileError, StampMismatchError, StorageError, WarmError
 from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains import flashinfer, inductor, triton
@@ -786,7 +786,14 @@ def cover(vllm_config: Any) -> None:
     if state.enumerate:
         state.enumerated = asdict(coverage.enumerate_moe(vllm_config))
     elif state.coverage is not None:
-        state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
+        try:
+            state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
+        except ColdCompileError as exc:
+            metrics.record_verify_failure("coverage")
+            if state.strict:
+                raise
+            log.warning("kernelcache: %s; the engine compiles what is missing", exc)
+            return
         log.info(
             "kernelcache: fused-MoE coverage loaded before the engine is ready: %d "
             "specializations in %.2f s",
