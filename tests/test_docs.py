@@ -644,10 +644,9 @@ def test_every_toolchain_doctor_names_has_a_page():
         assert f"]({toolchain.label}.md)" in index, toolchain.label
 
 
-EXPLAIN_LINE = re.compile(
-    r"[\w/.\-]+: .+ \((?:generation [0-9a-f]{16}|this environment)\) != .+ "
-    r"\((?:generation [0-9a-f]{16}|this environment)\)"
-)
+SIDE = r"\((?:generation [0-9a-f]{16}|this environment|this build)\)"
+# explain's lines, and build --dry-run's (which go on to say what the build would run).
+EXPLAIN_LINE = re.compile(rf"[\w/.\-]+: .+ {SIDE} != .+ {SIDE}(?:; .+)?")
 
 
 def test_every_explain_line_shown_labels_both_sides():
