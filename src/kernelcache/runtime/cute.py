@@ -157,32 +157,39 @@ def _report(kind: str, name: str, seconds: float | None) -> None:
 
 
 @dataclass
-class _Traced:
-    """One call's trace: its key, factors and normalised IR."""
+class Traced:
+    """One call's trace: the function, its key factors, the key and the normalised IR."""
 
     name: str
     factors: dict[str, Any]
     ir: str
+    tvm_ffi: bool  # the calling convention the object is exported with
     key: str = ""
-    tvm_ffi: bool = False
 
     def __post_init__(self) -> None:
         self.key = key_digest(self.factors)
 
+    @classmethod
+    def of(cls, name: str, owner: Any, module: Any) -> Traced:
+        """The trace the DSL (``owner``) made of ``name`` as ``module``."""
+        ir = normalized_ir(module)
+        tvm_ffi = bool(getattr(owner.compile_options, "enable_tvm_ffi", False))
+        return cls(name, key_factors(owner, ir), ir, tvm_ffi)
 
-class _Found(Exception):
-    """Carries a kernel out of the DSL's trace: the compile that would follow is not needed."""
 
-    def __init__(self, compiled: Any) -> None:
-        super().__init__("found in the cache")
-        self.compiled = compiled
+class _Carried(Exception):
+    """Carries a result out of the DSL's trace: the compile that would follow is not needed."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("carried out of the trace")
+        self.value = value
 
 
 def _raised(exc: BaseException) -> BaseException | None:
-    """The ``_Found`` or ``ColdCompileError`` the hook raised, under the DSL's wrapping."""
+    """The ``_Carried`` or ``ColdCompileError`` the hook raised, under the DSL's wrapping."""
     seen: BaseException | None = exc
     for _ in range(8):
-        if seen is None or isinstance(seen, (_Found, ColdCompileError)):
+        if seen is None or isinstance(seen, (_Carried, ColdCompileError)):
             return seen
         seen = seen.__cause__ or getattr(seen, "cause", None)
     return None
@@ -208,15 +215,13 @@ class CuteDiskCache:
             if not _supports_trace_hook():
                 raise UncacheableError("this nvidia-cutlass-dsl has no trace-finalize hook")
         except (ImportError, UncacheableError) as exc:
-            return self._bypass(name, exc, lambda: self._compile_now(fn, args, kwargs, options))
-        traced: list[_Traced] = []
+            return self._bypass(name, exc, lambda: _compile_with(fn, args, kwargs, options))
+        traced: list[Traced] = []
         start = 0.0
 
         def at_trace(owner: Any, module: Any, _: str) -> None:
             with observe.unobserved_block():  # keying and loading: the layer's reads
-                ir = normalized_ir(module)
-                found = _Traced(name, key_factors(owner, ir), ir)
-                found.tvm_ffi = bool(getattr(owner.compile_options, "enable_tvm_ffi", False))
+                found = Traced.of(name, owner, module)
                 traced.append(found)
                 with self._guard:
                     self.stats.trace_seconds += time.perf_counter() - start
@@ -224,7 +229,8 @@ class CuteDiskCache:
                 if compiled is None:
                     compiled = self._load(found)
                 if compiled is not None:
-                    raise _Found(compiled)
+                    self._memory[found.key] = compiled  # one load per key and process
+                    raise _Carried(compiled)
                 if self.strict:
                     _report("refused", name, None)
                     raise ColdCompileError(self._refusal(found))
@@ -233,11 +239,11 @@ class CuteDiskCache:
             start = time.perf_counter()
             try:
                 hooked = {**kwargs, "trace_finalize_hooks": at_trace}
-                compiled = self._compile_now(fn, args, hooked, options)
+                compiled = _compile_with(fn, args, hooked, options)
             except Exception as exc:
                 raised = _raised(exc)
-                if isinstance(raised, _Found):
-                    return raised.compiled
+                if isinstance(raised, _Carried):
+                    return raised.value
                 if isinstance(raised, ColdCompileError):
                     raise raised from None
                 raise
@@ -266,7 +272,7 @@ class CuteDiskCache:
     def _paths(self, key: str) -> tuple[Path, Path, Path]:
         return self.root / f"{key}.o", self.root / f"{key}.json", self.root / f"{key}.mlir"
 
-    def _load(self, traced: _Traced) -> Any | None:
+    def _load(self, traced: Traced) -> Any | None:
         obj_path, meta_path, _ = self._paths(traced.key)
         meta = _read_meta(meta_path)
         if meta is None or meta.get("factors") != traced.factors or not obj_path.is_file():
@@ -284,14 +290,6 @@ class CuteDiskCache:
         _report("hit", traced.name, seconds)
         return compiled
 
-    def _compile_now(self, fn: Any, args: tuple, kwargs: dict, options: Any) -> Any:
-        import cutlass.cute as cute
-
-        compile_fn = _original_compile or cute.compile
-        if options is not None:
-            kwargs = {**kwargs, "options": options}
-        return compile_fn(fn, *args, **kwargs)
-
     def _counted(self, name: str, seconds: float) -> None:
         with self._guard:
             self.stats.misses += 1
@@ -299,7 +297,7 @@ class CuteDiskCache:
             self.stats.compile_seconds += seconds
         _report("compile", name, seconds)
 
-    def _refusal(self, traced: _Traced) -> str:
+    def _refusal(self, traced: Traced) -> str:
         """One line: the kernel, the first difference from the nearest recorded kernel, and
         which input its record says moved since."""
         line = (
@@ -316,7 +314,7 @@ class CuteDiskCache:
             return f"{line}; since its compile: {moved}"
         return f"{line}; no input its compile was seen to read has moved"
 
-    def _nearest(self, traced: _Traced) -> tuple[str, dict[str, Any], str] | None:
+    def _nearest(self, traced: Traced) -> tuple[str, dict[str, Any], str] | None:
         """The recorded kernel of the same function whose IR differs in the fewest lines."""
         mine = Counter(traced.ir.splitlines())
         best: tuple[int, str, dict[str, Any], str] | None = None
@@ -334,7 +332,7 @@ class CuteDiskCache:
                 best = (distance, meta_path.stem, meta, ir)
         return None if best is None else best[1:]
 
-    def _persist(self, traced: _Traced, compiled: Any) -> None:
+    def _persist(self, traced: Traced, compiled: Any) -> None:
         """Export atomically; failing to persist costs the next process a compile, no more."""
         if not self._writable:
             log.warning(
@@ -382,6 +380,33 @@ class CuteDiskCache:
         return [str(self.root), *filter(None, [os.environ.get("CUTE_DSL_CACHE_DIR")])]
 
 
+def trace(fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Traced:
+    """What ``cute.compile(fn, *args, ...)`` is keyed by, traced and not compiled."""
+    name = function_name(fn)
+
+    def at_trace(owner: Any, module: Any, _: str) -> None:
+        raise _Carried(Traced.of(name, owner, module))
+
+    with _dsl_lock:
+        try:
+            _compile_with(fn, args, {**kwargs, "trace_finalize_hooks": at_trace}, options)
+        except Exception as exc:
+            raised = _raised(exc)
+            if isinstance(raised, _Carried):
+                return raised.value
+            raise
+    raise UncacheableError(f"{name}: the DSL compiled it without tracing through the hook")
+
+
+def _compile_with(fn: Any, args: tuple, kwargs: dict, options: Any) -> Any:
+    import cutlass.cute as cute
+
+    compile_fn = _original_compile or cute.compile
+    if options is not None:
+        kwargs = {**kwargs, "options": options}
+    return compile_fn(fn, *args, **kwargs)
+
+
 def _read_meta(path: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads(path.read_text())
@@ -390,7 +415,7 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _first_difference(traced: _Traced, meta: dict[str, Any], ir: str) -> str:
+def _first_difference(traced: Traced, meta: dict[str, Any], ir: str) -> str:
     """The first factor, else the first IR line, where ``traced`` differs from a record."""
     recorded = meta.get("factors") or {}
     for factor, value in traced.factors.items():
