@@ -116,6 +116,18 @@ CUTE_DSL_SWITCHES = {
     "CUTE_DSL_LOC_TRACEBACKS": "2",
     "CUTE_DSL_USE_EXTENSION_COMPILER": "1",
 }
+# The disk-layer factors each CuTe-DSL switch moves besides ``settings``: the traced IR (debug
+# checks, line info, assertions, the PyIR front end and the extension compiler emit other
+# ops) and the resolved compile options.
+CUTE_DSL_MOVES = {
+    "CUTE_DSL_DEBUG": {"ir", "options"},
+    "CUTE_DSL_LINEINFO": {"ir", "options"},
+    "CUTE_DSL_ENABLE_PYIR": {"ir", "options"},
+    "CUTE_DSL_ENABLE_ASSERTIONS": {"ir", "options"},
+    "CUTE_DSL_COMPILER_OPT": {"options"},
+    "CUTE_DSL_ENABLE_TVM_FFI": {"options"},
+    "CUTE_DSL_USE_EXTENSION_COMPILER": {"ir"},
+}
 OTHER_SWITCHES = {
     "TRITON_DISABLE_LINE_INFO": "1",
     "TRITON_DEFAULT_FP_FUSION": "0",
@@ -752,7 +764,6 @@ MISSES = [
         {"ir"},
         measured=False,
     ),
-    miss("workload-dtype", declaring(dtype="Float16"), {"workload"}, {"ir"}, measured=False),
     miss("tensor-alignment", declaring(align=8), {"workload"}, {"ir"}, measured=False),
     miss(
         "compile-options",
@@ -765,7 +776,7 @@ MISSES = [
         "dsl-compile-setting",
         declaring(env={"CUTE_DSL_LINEINFO": "1"}),
         {"workload"},
-        {"settings"},
+        {"settings", *CUTE_DSL_MOVES["CUTE_DSL_LINEINFO"]},
         measured=False,
     ),
     miss("helper-1-deep", retuned("gemm_tiles.py"), {"source/gemm_tiles"}),
@@ -788,7 +799,12 @@ MISSES = [
         {"source/gemm_tuned"},
     ),
     *(
-        miss(f"setting-{name}", setting(name, value), {f"setting/{name}"}, {"settings"})
+        miss(
+            f"setting-{name}",
+            setting(name, value),
+            {f"setting/{name}"},
+            {"settings", *CUTE_DSL_MOVES.get(name, ())},
+        )
         for name, value in CUTE_DSL_SWITCHES.items()
     ),
     *(

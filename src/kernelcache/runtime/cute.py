@@ -107,7 +107,21 @@ def normalized_ir(module: Any) -> str:
     """The traced module as text without locations: the DSL attaches the tracing frame's file,
     line and column to every op, and neither where the source lives nor its layout changes
     the code (``CUTE_DSL_LINEINFO``, which compiles them in, is a setting in the key)."""
-    return module.operation.get_asm(enable_debug_info=False)
+    return module.operation.get_asm(enable_debug_info=False, assume_verified=True)
+
+
+# Options that only say what to keep, dump or disassemble beside the compile, never its code.
+_OUTPUT_OPTIONS = re.compile(r"^Keep|Dir$|Path$|Output$|^Nvdisasm")
+
+
+def compile_options(options: Any) -> str:
+    """Every compile option as the DSL resolved it (a ``--host-target`` too, which its own
+    pipeline string leaves out), less those that only place outputs; paths by their tail."""
+    return ";".join(
+        f"{kind.__name__}={_unpathed(repr(option.value))}"
+        for kind, option in options.options.items()
+        if not _OUTPUT_OPTIONS.search(kind.__name__)
+    )
 
 
 def key_factors(owner: Any, ir: str) -> dict[str, Any]:
@@ -116,7 +130,7 @@ def key_factors(owner: Any, ir: str) -> dict[str, Any]:
     return {
         "format": KEY_FORMAT,
         "ir": blake3.blake3(ir.encode()).hexdigest(),
-        "options": " ".join(owner.compile_options.to_str().split()),
+        "options": compile_options(owner.compile_options),
         "settings": _unpathed(envar.cache_key_str()),
         "arch": str(envar.arch),
         "dsl": dsl_stack(),
@@ -396,6 +410,22 @@ def trace(fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Traced:
                 return raised.value
             raise
     raise UncacheableError(f"{name}: the DSL compiled it without tracing through the hook")
+
+
+def moved_since(root: Path) -> dict[str, str]:
+    """Per function recorded under ``root``: the first input its compile read that differs in
+    this process (``observe``), for ``kernelcache explain``. An explanation only: whether a
+    kernel still loads is decided by its traced IR."""
+    moved: dict[str, str] = {}
+    checker = observe.Checker()
+    for meta_path in sorted(root.glob("*.json")):
+        meta = _read_meta(meta_path)
+        if meta is None or not isinstance(meta.get("function"), str):
+            continue
+        problem = checker.check(root / OBSERVED_SUBDIR, meta.get("observed"))
+        if problem is not None:
+            moved.setdefault(meta["function"], problem)
+    return moved
 
 
 def _compile_with(fn: Any, args: tuple, kwargs: dict, options: Any) -> Any:
