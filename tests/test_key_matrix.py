@@ -117,14 +117,14 @@ CUTE_DSL_SWITCHES = {
     "CUTE_DSL_USE_EXTENSION_COMPILER": "1",
 }
 # The disk-layer factors each CuTe-DSL switch moves besides ``settings``: the traced IR (debug
-# checks, line info, assertions, the PyIR front end and the extension compiler emit other
-# ops) and the resolved compile options.
+# checks, line info, the PyIR front end, compiler options the DSL records in the module and
+# the extension compiler emit other ops) and the resolved compile options.
 CUTE_DSL_MOVES = {
     "CUTE_DSL_DEBUG": {"ir", "options"},
     "CUTE_DSL_LINEINFO": {"ir", "options"},
     "CUTE_DSL_ENABLE_PYIR": {"ir", "options"},
-    "CUTE_DSL_ENABLE_ASSERTIONS": {"ir", "options"},
-    "CUTE_DSL_COMPILER_OPT": {"options"},
+    "CUTE_DSL_ENABLE_ASSERTIONS": {"options"},
+    "CUTE_DSL_COMPILER_OPT": {"ir", "options"},
     "CUTE_DSL_ENABLE_TVM_FFI": {"options"},
     "CUTE_DSL_USE_EXTENSION_COMPILER": {"ir"},
 }
