@@ -387,8 +387,10 @@ def _explain_cute(ref: str, store_root: Path | None) -> None:
     root = generation / FILES_DIR / SUBDIR
     if not root.is_dir():
         return
-    import cutlass.cute  # noqa: F401 - resolve the DSL's modules as a serving process does
-
+    try:  # resolve the DSL's modules as a serving process does
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return  # no DSL here: no serving process here would load these kernels either
     from kernelcache.runtime.cute import moved_since
 
     for function, problem in moved_since(root).items():
