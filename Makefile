@@ -87,6 +87,7 @@ push-images:
 
 bench: $(VENV)/.installed
 	$(PY) bench/cute_compile_vs_load.py
+	$(PY) bench/cute_trace_cost.py
 	$(PY) bench/verify_throughput.py
 	$(PY) bench/verify_coldstart.py
 	$(PY) bench/operator_scale.py

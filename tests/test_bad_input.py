@@ -401,8 +401,9 @@ def test_explain_and_check_env_label_the_sides_the_same_way(tmp_path):
     proc = run_kernelcache("build", "-f", str(spec), "--store", str(store))
     assert proc.returncode == 0, proc.stderr
     generation = Store(store).current_manifest(KEY).generation
-    entry_point_spec(tmp_path, writes + "  # changed")
+    # A setting that changes compiled code, set here and not at the build.
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{subprocess_env()['PYTHONPATH']}"}
+    env["CUTE_DSL_LINEINFO"] = "1"
 
     proc = run_kernelcache("verify", "--store", str(store), "--key", KEY, "--check-env", **env)
     assert proc.returncode == ExitCode.STAMP_MISMATCH, proc.stderr
@@ -410,7 +411,7 @@ def test_explain_and_check_env_label_the_sides_the_same_way(tmp_path):
     proc = run_kernelcache("explain", KEY, "env", "--store", str(store), **env)
     assert proc.returncode == ExitCode.STAMP_MISMATCH
     (explain_line,) = proc.stdout.splitlines()
-    assert explain_line.startswith("source/ep: ")
+    assert explain_line.startswith("setting/CUTE_DSL_LINEINFO: ")
     assert f"(generation {generation[:16]}) != " in explain_line
     assert explain_line.endswith("(this environment)")
     assert explain_line in verify_line

@@ -120,19 +120,50 @@ def test_verify_names_a_flipped_byte_and_a_missing_generation(tmp_path):
     assert "default/demo/sm_90a" in one_line_error(missing)
 
 
-def test_check_env_names_the_changed_kernel_source(tmp_path):
+def test_a_build_is_up_to_date_only_when_strict_pods_would_load_every_kernel(tmp_path):
+    """The stamp holds no CuTe-DSL kernel's source: a comment leaves the generation current,
+    a constant the kernels trace through makes the build trace them, find them missing and
+    compile a new generation (no --force), which strict serving loads; reverted, the kept
+    generation is made current again. ``explain env`` says which recorded input moved."""
     spec, store = write_spec(tmp_path), tmp_path / "store"
-    assert (
-        kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a").returncode
-        == 0
+    key, kernels = "default/demo/sm_90a", tmp_path / "demo_kernels.py"
+    path = f"{tmp_path}:{subprocess_env()['PYTHONPATH']}"
+
+    def build() -> str:
+        proc = kernelcache("build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    assert "published" in build()
+    first = Store(store).current_manifest(key)
+    original = kernels.read_text()
+    kernels.write_text("# a comment moves every line\n" + original)
+    assert "up-to-date" in build()
+    kernels.write_text(original.replace("THREADS = 128", "THREADS = 64"))
+    checked = kernelcache("verify", "--store", str(store), "--key", key, "--check-env",
+                          PYTHONPATH=path)  # fmt: skip
+    assert checked.returncode == 0, checked.stderr  # the stamp cannot see it; the IR can
+    explained = kernelcache("explain", "env", key, "--store", str(store), PYTHONPATH=path)
+    assert "cute-dsl demo_kernels:add: since its compile: module demo_kernels" in explained.stdout
+    rebuilt = build()
+    assert "would be refused" in rebuilt and "no kernel compiled from this IR" in rebuilt
+    assert "published" in rebuilt
+    second = Store(store).current_manifest(key)
+    assert second.generation != first.generation
+    served = subprocess.run(
+        [sys.executable, str(tmp_path / "demo_serve.py"), "--workload", json.dumps(SMALL_WORKLOAD)],
+        env=subprocess_env(
+            KERNELCACHE_CUTE_DSL_DIR=str(Store(store).current(key) / "files" / "cute-dsl"),
+            KERNELCACHE_STRICT="1",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    (tmp_path / "demo_kernels.py").write_text((tmp_path / "demo_kernels.py").read_text() + "\n#\n")
-    proc = kernelcache(
-        "verify", "--store", str(store), "--key", "default/demo/sm_90a", "--check-env",
-        PYTHONPATH=f"{tmp_path}:{subprocess_env()['PYTHONPATH']}",
-    )  # fmt: skip
-    assert proc.returncode == ExitCode.STAMP_MISMATCH
-    assert "source/demo_kernels" in one_line_error(proc)
+    assert "2 loaded from cache, 0 compiled" in served.stdout, served.stdout + served.stderr
+    kernels.write_text(original)
+    assert "re-pointed" in build()
+    assert Store(store).current_manifest(key).generation == first.generation
 
 
 def test_materialized_generation_serves_a_fresh_process_with_zero_compiles(tmp_path):

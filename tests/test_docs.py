@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from kernelcache.crd import crd_manifest
-from kernelcache.errors import ColdCompileError, error_line
+from kernelcache.errors import error_line
 from kernelcache.store import Store, manifest_checksum
 from tests.conftest import EXAMPLES, REPO, kernelcache_doc, publish_files, run_kernelcache
 from tests.helpers import generations
@@ -304,12 +304,35 @@ def build_failed(tmp: Path) -> str:
 
 
 def cold_compile(tmp: Path) -> str:
-    from kernelcache.runtime.cute import CuteDiskCache
+    from kernelcache.runtime.cute import CuteDiskCache, Traced
 
     cache = CuteDiskCache(tmp / "cute-dsl", strict=True)
-    with pytest.raises(ColdCompileError) as refused:
-        cache._compile_now(None, (), {}, None, factors={"function": "my_kernels:gemm"})
-    return str(refused.value)
+    return cache._refusal(Traced("my_kernels:gemm", {"ir": "0" * 64}, "", tvm_ffi=False))
+
+
+def stale_cute_kernel(tmp: Path) -> str:
+    """A kernel recorded with one tile size; the same function traced with another, after
+    the tile file its compile read was edited."""
+    from kernelcache.runtime import observe
+    from kernelcache.runtime.cute import CuteDiskCache, Traced
+
+    root = tmp / "cute-dsl"
+    (root / "observed").mkdir(parents=True)
+    tiles = tmp / "tiles.json"
+    tiles.write_text("128")
+    ir = "module {{\n  gpu.module @kernels {{\n    cuda.kernel @gemm()\n    block = <i64: {}, 1, 1>"
+    recorded = Traced("my_kernels:gemm", {"ir": "1" * 64}, ir.format(128), False)
+    files = {str(tiles): observe.file_digest(str(tiles))}
+    record = {"format": observe.FORMAT, "python": sys.version, "dists": {}, "env": {}}
+    record.update(modules={}, files=files, pth={})
+    address, data = observe.digest(record)
+    (root / "observed" / f"{address}.json").write_bytes(data)
+    (root / f"{recorded.key}.mlir").write_text(recorded.ir)
+    meta = {"factors": recorded.factors, "function": recorded.name, "observed": address}
+    (root / f"{recorded.key}.json").write_text(json.dumps(meta))
+    tiles.write_text("64")
+    here = Traced("my_kernels:gemm", {"ir": "2" * 64}, ir.format(64), False)
+    return CuteDiskCache(root, strict=True)._refusal(here)
 
 
 def cannot_write_the_store(tmp: Path) -> str:
@@ -387,7 +410,8 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "kernelcache: error: sm_90a: <reason>": build_failed,
     "kernelcache: error: <what>": no_store,
     "kernelcache: error: …: FlashInfer module batch_prefill_… that the warm loaded is not in the generation (flashinfer/aot/…/….so): FlashInfer with JIT disabled would fail the first request needing it; rebuild the generation": flashinfer_module_missing,  # noqa: E501
-    "cute-dsl: cold compile of my_kernels:gemm in strict mode (not in the cache at …)": cold_compile,  # noqa: E501
+    "cute-dsl: my_kernels:gemm in …: no kernel compiled from this IR (ir …); strict mode refuses a cold compile; no kernel of my_kernels:gemm is recorded there": cold_compile,  # noqa: E501
+    "cute-dsl: my_kernels:gemm in …: no kernel compiled from this IR (ir …); strict mode refuses a cold compile; nearest recorded kernel …: IR line 4 was 'block = <i64: 128, 1, 1>', here 'block = <i64: 64, 1, 1>'; since its compile: file …/tiles.json (…) differs from the one the kernel was compiled with": stale_cute_kernel,  # noqa: E501
 }  # fmt: skip
 
 

@@ -125,7 +125,6 @@ def test_doctor_names_what_is_broken(generation, tmp_path):
     assert checks["stamp"]["exit_code"] == ExitCode.STAMP_MISMATCH
     differing = {d["factor"]: d for d in payload["differences"]}
     assert differing["arch"] == {"factor": "arch", "generation": "sm_90a", "here": "sm_120a"}
-    assert "source/demo_kernels" in differing
 
     table = run_kernelcache("doctor", str(generation), "--arch", "sm_120a", **env)
     assert table.returncode == ExitCode.WARM_FAILED

@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode, StampMismatchError, WarmError
+from kernelcache.errors import StampMismatchError, WarmError
 from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.stamp import file_digest
 from kernelcache.store import Store
 from kernelcache.toolchains.base import entry_point_sources
-from tests.conftest import EXAMPLES, needs_cute, one_line_error, subprocess_env
+from tests.conftest import EXAMPLES, needs_cute, subprocess_env
 from tests.conftest import run_kernelcache as kernelcache
 from tests.helpers.wheels import build_wheel, pip_install
 
@@ -57,8 +57,8 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 @needs_cute
 def test_a_changed_helper_module_is_a_new_generation_and_refused_in_serving(tmp_path):
     """Change only the helper a kernel module imports its thread count from: the build must
-    not say up-to-date, ``verify --check-env`` must name the helper, and a strict serving
-    process must not load the kernels compiled with the old count."""
+    not say up-to-date (its kernels trace to another IR), and a strict serving process must
+    not load the kernels compiled with the old count, naming the helper as what moved."""
     demo = (EXAMPLES / "demo_kernels.py").read_text()
     assert "\nTHREADS = 128\n" in demo
     (tmp_path / "demo_kernels.py").write_text(
@@ -82,14 +82,8 @@ def test_a_changed_helper_module_is_a_new_generation_and_refused_in_serving(tmp_
     build()
     first = Store(store).current_manifest(key)
     assert first is not None
-    assert f"source/{HELPER}" in first.stamp["factors"]
 
     (tmp_path / f"{HELPER}.py").write_text("THREADS = 64\n")
-    checked = kernelcache(
-        "verify", "--store", str(store), "--key", key, "--check-env", PYTHONPATH=pythonpath
-    )
-    assert checked.returncode == ExitCode.STAMP_MISMATCH, checked.stdout + checked.stderr
-    assert f"source/{HELPER}" in one_line_error(checked)
 
     served = subprocess.run(
         [sys.executable, str(tmp_path / "demo_serve.py"), "--workload", json.dumps(workload)],
@@ -103,21 +97,14 @@ def test_a_changed_helper_module_is_a_new_generation_and_refused_in_serving(tmp_
         timeout=300,
     )
     assert served.returncode != 0, served.stdout
-    assert "cold compile" in served.stderr and "loaded from cache" not in served.stdout
+    assert "no kernel compiled from this IR" in served.stderr, served.stderr
+    assert f"since its compile: module {HELPER}" in served.stderr
+    assert "loaded from cache" not in served.stdout
 
     rebuilt = build()
     assert "published" in rebuilt.stdout, rebuilt.stdout
     second = Store(store).current_manifest(key)
     assert second is not None and second.generation != first.generation
-    explained = kernelcache(
-        "explain",
-        str(Store(store).key_dir(key) / first.generation),
-        str(Store(store).key_dir(key) / second.generation),
-    )
-    assert explained.returncode == ExitCode.STAMP_MISMATCH
-    assert [line.partition(":")[0] for line in explained.stdout.splitlines()] == [
-        f"source/{HELPER}"
-    ]
 
 
 # --- what the walk reaches ----------------------------------------------------------------
@@ -242,18 +229,6 @@ def test_a_check_whose_kernels_import_an_unreadable_module_is_a_mismatch(unreada
     recorded = stamps.collect(arch="sm_90a", distributions=[], sources={"kc_kern": "blake3:0"})
     with pytest.raises(StampMismatchError, match=r"^source/kc_helper: cannot read"):
         stamps.environment_stamp(recorded)
-
-
-@needs_cute
-def test_the_disk_layer_does_not_key_a_kernel_without_a_module_it_imports(unreadable_helper):
-    from kernelcache.runtime import cute
-
-    (unreadable_helper / "kc_kern.py").write_text("import kc_helper\ndef kernel():\n    pass\n")
-    import kc_kern
-
-    with pytest.raises(cute.UncacheableError, match="source/kc_helper: cannot read"):
-        cute.key_factors(kc_kern.kernel, (), {}, None)
-    sys.modules.pop("kc_kern", None)
 
 
 def test_a_module_without_its_source_fails_naming_it(tree):

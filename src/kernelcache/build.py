@@ -1,11 +1,14 @@
 """The local pipeline: warm → seal → publish per arch, and the environment check of verify.
 
 ``warm_arch`` is what one compile Job runs (``kernelcache warm``): it takes the key's writer
-lock, re-checks whether the current generation already has this stamp (two builders of one
-key produce one generation; with a signing key it must also verify in full and be signed by
-it, else it is re-signed or, when it cannot be vouched for, compiled anew), points CURRENT
-back at a kept generation that has it (a reverted spec or image: nothing compiled; with a
-signing key only one whose signature verifies), else warms into a staging dir and publishes.
+lock, re-checks whether the current generation already has this stamp and would serve every
+kernel its warmers declare as a strict pod looks them up (CuTe-DSL kernels are traced and
+keyed by their IR: a generation that strict pods would refuse is never up to date; two
+builders of one key produce one generation; with a signing key it must also verify in full
+and be signed by it, else it is re-signed or, when it cannot be vouched for, compiled anew),
+points CURRENT back at a kept generation that passes the same checks (a reverted spec or
+image: nothing compiled; with a signing key only one whose signature verifies), else warms
+into a staging dir and publishes.
 ``build`` runs ``kernelcache warm`` once per arch, each in its own process, because
 ``CUTE_DSL_ARCH`` is read when the DSL is imported.
 """
@@ -37,7 +40,7 @@ from kernelcache.errors import (
     one_line,
 )
 from kernelcache.spec import KernelCache
-from kernelcache.store import Manifest, Store, fingerprint
+from kernelcache.store import FILES_DIR, Manifest, Store, fingerprint
 from kernelcache.toolchains import is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
 
@@ -218,10 +221,27 @@ def warm_arch(
             arch, status, manifest, time.perf_counter() - start, signed_by=signer
         )
 
+    def serves(generation: Path) -> bool:
+        """Whether strict pods would load every kernel of ``generation``: the stamp holds
+        what a build knows before it runs anything; a kernel keyed by its IR must be traced."""
+        for warmer in warmers:
+            refusal = warmer.would_refuse(generation / FILES_DIR, arch)
+            if refusal is not None:
+                progress.note(f"{key}: {generation.name} would be refused: {refusal}")
+                return False
+        return True
+
     keep = kc.spec.retention.generations
     with store.writer(key, on_wait=waiting) as writer:
         current = writer.current_manifest()
-        if current is not None and current.stamp.get("digest") == stamp.digest and not force:
+        current_dir = store.current(key)
+        if (
+            current is not None
+            and current.stamp.get("digest") == stamp.digest
+            and not force
+            and current_dir is not None
+            and serves(current_dir)
+        ):
             if signing_key is None:
                 return done(Status.UP_TO_DATE, current)
             signed = writer.sign_current(signing_key, trusted=others)
@@ -230,7 +250,7 @@ def warm_arch(
         kept = None
         if not force:
             kept = writer.make_current_again(
-                stamp.digest, signing_key=signing_key, keep=keep, trusted=others
+                stamp.digest, signing_key=signing_key, keep=keep, trusted=others, accept=serves
             )
         if kept is not None:
             return done(Status.RE_POINTED, kept)

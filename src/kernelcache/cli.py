@@ -385,12 +385,38 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return int(ExitCode.STAMP_MISMATCH) if diffs else 0
     if "env" not in (args.left, args.right):
         _explain_vllm(args.left, args.right, args.store)
+    else:
+        _explain_cute(args.right if args.left == "env" else args.left, args.store)
     if not diffs:
         print(f"same stamp {left.digest}: a hit")
     else:
         for diff in diffs:
             print(diff.describe((left_side, right_side)))
     return int(ExitCode.STAMP_MISMATCH) if diffs else 0
+
+
+def _explain_cute(ref: str, store_root: Path | None) -> None:
+    """Which input each CuTe-DSL kernel's compile read has moved in this environment, where a
+    generation's records can tell: why a kernel's IR may differ here (it is keyed by its IR)."""
+    from kernelcache.store import FILES_DIR
+    from kernelcache.toolchains.cute_dsl import SUBDIR
+
+    path = Path(ref)
+    if store_root is not None and not path.exists() and ref.count("/") == 2:
+        found = _existing_store(store_root).current(ref)
+        path = found if found is not None else path
+    generation = path if path.is_dir() else path.parent
+    root = generation / FILES_DIR / SUBDIR
+    if not root.is_dir():
+        return
+    try:  # resolve the DSL's modules as a serving process does
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return  # no DSL here: no serving process here would load these kernels either
+    from kernelcache.runtime.cute import moved_since
+
+    for function, problem in moved_since(root).items():
+        print(f"cute-dsl {function}: since its compile: {problem}")
 
 
 def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:

@@ -11,7 +11,7 @@ image). Prints one JSON object:
   settings as ``setting/`` factors, as a build records them;
 - ``cute``: the CuTe-DSL disk-layer key factors and digest of each GEMM shape, for the
   arguments ``examples/cute_gemm.py``'s ``specializations`` builds (with the declared dtype
-  and alignment); nothing is compiled;
+  and alignment): traced, not compiled;
 - ``observed``: facts about this process that the perturbations change (its PID, hostname,
   clock, where packages were found, ...), so a test can check that a perturbation was real.
 """
@@ -43,7 +43,7 @@ def cute_keys(warmup: dict[str, Any]) -> list[dict[str, Any]]:
     import cutlass
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from kernelcache.runtime.cute import key_digest, key_factors
+    from kernelcache.runtime.cute import trace
 
     module, _, attr = warmup["entryPoint"].partition(":")
     fn = getattr(importlib.import_module(module), attr)
@@ -56,8 +56,8 @@ def cute_keys(warmup: dict[str, Any]) -> list[dict[str, Any]]:
 
     keys = []
     for m, n, k in warmup["shapes"]:
-        factors = key_factors(fn, (fake(m, k), fake(k, n), fake(m, n)), {}, warmup["options"])
-        keys.append({"factors": factors, "digest": key_digest(factors)})
+        traced = trace(fn, fake(m, k), fake(k, n), fake(m, n), options=warmup["options"])
+        keys.append({"factors": traced.factors, "digest": traced.key})
     return keys
 
 

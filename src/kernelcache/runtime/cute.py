@@ -1,25 +1,24 @@
-"""A disk cache for explicit ``cute.compile`` calls.
+"""A disk cache for explicit ``cute.compile`` calls, keyed by what the kernel compiles to.
 
 ``cute.compile`` in nvidia-cutlass-dsl never consults the DSL's own file cache, so every
-process pays the full MLIR compile for every specialization it meets. This layer keys each
-call by what decides the compiled code, exports the object on a miss and
-loads it with ``cutlass.cute.runtime.load_module`` on a hit (no MLIR compile at all).
+process pays the full MLIR compile for every specialization it meets. This layer exports the
+object on a miss and loads it with ``cutlass.cute.runtime.load_module`` on a hit.
 
-The key is an explicit dict of named factors, saved beside the artifact in ``<key>.json``:
-the function's qualified name, digests of its module's source and of every project-local module
-that module imports, transitively (``kernelcache.sources``), the argument signature
-(tensor dtype/shape/stride/alignment/memory space, scalar types and values), the compile
-options, the DSL stack (versions and installed-RECORD digests of the nvidia-cutlass-dsl
-distributions), the target arch and the compile-affecting ``CUTE_DSL_*`` settings. A hit means
-the ``.o`` exists and the saved factors equal the computed ones. A factor that cannot be
-computed (a function without a source file, an argument with no stable description) bypasses
-the cache rather than weakening the key.
-
-Beside the key, each kernel keeps a record of what its compile observably read
-(``kernelcache.runtime.observe``: modules however imported, files opened or mapped, the
-distributions they belong to, variables read), content-addressed in ``observed/<digest>.json``
-and named in ``<key>.json``. A hit also needs that record to hold here; strict refuses one
-that does not, naming the file or variable, and permissive compiles (counted as stale).
+The key is the DSL front end's output, not a list of what the kernel might depend on: a
+kernel is decided by its closure constants, its ``self``, class attributes another module
+set, variables a C extension reads, files a subprocess reads; no list of observable reads
+holds them all, the traced IR does. So every call is traced (the DSL's trace-finalize hook
+runs after tracing and before the MLIR compile), and the key is an explicit dict of named
+factors saved beside the artifact in ``<key>.json``: the digest of the traced module printed
+without locations (no host path, line or column enters it; names are the DSL's own and
+deterministic), the compile options as the DSL resolved them, its compile-affecting settings,
+the target arch and the backend's identity (versions and installed-RECORD digests of the
+nvidia-cutlass-dsl distributions, which ship the MLIR pipeline and ptxas). A hit means the
+``.o`` exists and the saved factors equal the computed ones; the hook then ends the call
+before anything is compiled. A miss in strict mode is refused, naming the kernel, the first
+line where its IR differs from the nearest recorded one (``<key>.mlir``, kept beside each
+kernel) and, from that kernel's record of what its compile read (``observe``), which input
+moved: an explanation, never the key.
 
 Writes are atomic (temp file in the same directory, then rename; the ``.json`` commit marker
 last), so concurrent processes and threads never see half an artifact. A read-only cache
@@ -29,6 +28,7 @@ directory (a materialized generation) still serves hits; a miss there compiles i
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import json
 import logging
@@ -38,6 +38,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -53,14 +54,13 @@ from kernelcache.runtime import observe
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = contract.CUTE_DSL_DIR.name
-KEY_FORMAT = "kernelcache.dev/cute-dsl/v3"  # v3: a record of what the compile read
-OBSERVED_SUBDIR = "observed"  # the records, by content address
-# Fallback only: CUTE_DSL_* settings that say where to write or what to log.
-_NON_CODE_SETTING_MARKERS = ("DIR", "PATH", "FILE", "LOG", "DUMP", "PRINT", "KEEP", "CACHE")
+KEY_FORMAT = "kernelcache.dev/cute-dsl/v4"  # v4: keyed by the traced IR
+OBSERVED_SUBDIR = "observed"  # what each compile read, by content address: explanations
+_SHOWN = 120  # characters of an IR line in a refusal
 
 
 class UncacheableError(ValueError):
-    """A factor of the key cannot be computed, so the call must bypass the cache."""
+    """The DSL offers no trace hook, so a call cannot be keyed and bypasses the cache."""
 
 
 @dataclass
@@ -71,16 +71,16 @@ class CacheStats:
     misses: int = 0
     persisted: int = 0
     bypassed: int = 0
-    stale: int = 0  # hits refused because what the compile read differs here
+    trace_seconds: float = 0.0  # from the call to its key: what every lookup pays
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
     compiled: list[str] = field(default_factory=list)  # function names compiled on a miss
-    unobserved: dict[str, None] = field(default_factory=dict)  # what records could not see
 
 
 @cache
 def dsl_stack() -> dict[str, str]:
-    """Versions and RECORD digests of the DSL distributions: a rebuilt DSL is a new key."""
+    """Versions and RECORD digests of the DSL distributions (its MLIR pipeline and ptxas are
+    in them): a rebuilt DSL is a new key."""
     from importlib.metadata import distributions
 
     from kernelcache.stamp import distribution_factor, distribution_name
@@ -95,89 +95,6 @@ def dsl_stack() -> dict[str, str]:
     return {name: distribution_factor(name) for name in names}
 
 
-@cache
-def _module_sources(module: str, path: str) -> dict[str, str]:
-    """The function's module and every project-local module it imports (``kernelcache.sources``),
-    read once per process: the code this process runs is the code it imported first."""
-    from kernelcache.sources import ABSENT, SourceError, module_sources, script_sources
-
-    try:
-        found = module_sources(module) if module != "__main__" else {}
-        if found.get(module, ABSENT) == ABSENT:  # a script, or a module loaded from a path
-            found = script_sources(path)
-    except SourceError as exc:
-        raise UncacheableError(exc.message) from exc
-    return found
-
-
-def _function_factors(fn: Any) -> dict[str, Any]:
-    target = inspect.unwrap(getattr(fn, "func", fn))
-    if not (inspect.isroutine(target) or inspect.isclass(target)):
-        return _instance_factors(target)
-    try:
-        source = inspect.getsourcefile(target)
-    except TypeError as exc:
-        raise UncacheableError(f"{target!r} has no source file") from exc
-    if not source or not os.path.isfile(source):
-        raise UncacheableError(f"{target!r} has no source file")
-    return {
-        "function": f"{target.__module__}:{target.__qualname__}",
-        "source": _module_sources(target.__module__, source),
-    }
-
-
-def _instance_factors(kernel: Any) -> dict[str, Any]:
-    """A configured kernel object: its class's source and the configuration it says it has.
-
-    FlashInfer's kernel classes expose ``__cache_key__`` (every setting that changes the
-    generated code), the key it memoizes their compiles under in-process.
-    """
-    config = getattr(kernel, "__cache_key__", None)
-    if config is None:
-        raise UncacheableError(f"{type(kernel).__qualname__} object has no __cache_key__")
-    factors = _function_factors(type(kernel))
-    factors["instance"] = describe_argument(tuple(config))
-    return factors
-
-
-def describe_argument(arg: Any) -> str:
-    """A stable description of one compile argument; raises UncacheableError when there is none."""
-    if isinstance(arg, (bool, int, float, str)) or arg is None:
-        return f"{type(arg).__name__}:{arg!r}"
-    if isinstance(arg, (tuple, list)):
-        return "(" + ",".join(describe_argument(a) for a in arg) + ")"
-    kind = type(arg)
-    if kind.__module__.startswith("torch") and hasattr(arg, "data_ptr"):
-        ptr = arg.data_ptr()
-        align = 16 if ptr % 16 == 0 else (ptr & -ptr)
-        return (
-            f"torch.Tensor<{arg.dtype},{tuple(arg.shape)},{arg.stride()},"
-            f"{arg.device.type},align={align}>"
-        )
-    if hasattr(arg, "element_type") and hasattr(arg, "shape") and hasattr(arg, "stride"):
-        parts = [
-            f"dtype={arg.element_type.__name__}",
-            f"shape={arg.shape}",
-            f"stride={arg.stride}",
-            f"memspace={getattr(arg, 'memspace', None)}",
-        ]
-        for attr in ("_assumed_align", "assumed_align", "_use_32bit_stride"):
-            if hasattr(arg, attr):
-                parts.append(f"{attr.lstrip('_')}={getattr(arg, attr)}")
-        return f"Tensor<{','.join(parts)}>"
-    if kind.__name__ in ("_FakeStream", "FakeStream", "CUstream"):
-        return "stream"
-    if kind.__name__ == "_Pointer" and hasattr(arg, "memspace"):  # cute.runtime.make_ptr
-        align = getattr(arg, "_assumed_align", None)
-        return f"Pointer<dtype={arg.dtype.__name__},memspace={arg.memspace},align={align}>"
-    if isinstance(arg, type):  # a dtype such as cutlass.Float16 passed as a constexpr
-        return f"type:{arg.__module__}.{arg.__qualname__}"
-    text = repr(arg)
-    if " at 0x" in text or "object at" in text:
-        raise UncacheableError(f"argument of type {kind.__qualname__} has no stable description")
-    return f"{kind.__module__}.{kind.__qualname__}:{text}"
-
-
 def _unpathed(value: str) -> str:
     """Keep the tail of a path (``cu12/lib/libx.so``: the variant) and drop the install prefix.
 
@@ -186,51 +103,61 @@ def _unpathed(value: str) -> str:
     return re.sub(r"'?/[^;':]*/([^/;':]+/[^/;':]+/[^/;':]+)'?", r"\1", value)
 
 
-def _dsl_settings() -> tuple[str, str]:
-    """(arch, compile-affecting settings) as the DSL itself keys its JIT cache.
-
-    Read from the DSL's environment manager, which marks each ``CUTE_DSL_*`` setting as
-    affecting compile or not and knows the arch it targets (set, or detected from the GPU).
-    Path-valued settings are reduced to their variant: install paths are never factors.
-    """
-    try:
-        from cutlass.cutlass_dsl import CuTeDSL
-
-        envar = CuTeDSL._get_dsl().envar
-        return str(envar.arch), _unpathed(envar.cache_key_str())
-    except (ImportError, AttributeError):  # another DSL version: fall back to the variables
-        from kernelcache.errors import NoGpuInfoError
-        from kernelcache.stamp import detect_arch
-
-        settings = ";".join(
-            f"{k}={v}"
-            for k, v in sorted(os.environ.items())
-            if k.startswith("CUTE_DSL_") and not any(m in k for m in _NON_CODE_SETTING_MARKERS)
-        )
-        try:
-            return detect_arch(), settings
-        except NoGpuInfoError as exc:
-            raise UncacheableError(exc.message) from exc
+def normalized_ir(module: Any) -> str:
+    """The traced module as text without locations: the DSL attaches the tracing frame's file,
+    line and column to every op, and neither where the source lives nor its layout changes
+    the code (``CUTE_DSL_LINEINFO``, which compiles them in, is a setting in the key)."""
+    return module.operation.get_asm(enable_debug_info=False, assume_verified=True)
 
 
-def key_factors(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: Any) -> dict:
-    """Every factor that decides the compiled code of ``cute.compile(fn, *args, **kwargs)``."""
-    arch, settings = _dsl_settings()
+# Options that only say what to keep, dump or disassemble beside the compile, never its code.
+_OUTPUT_OPTIONS = re.compile(r"^Keep|Dir$|Path$|Output$|^Nvdisasm")
+
+
+def compile_options(options: Any) -> str:
+    """Every compile option as the DSL resolved it (a ``--host-target`` too, which its own
+    pipeline string leaves out), less those that only place outputs; paths by their tail."""
+    return ";".join(
+        f"{kind.__name__}={_unpathed(repr(option.value))}"
+        for kind, option in options.options.items()
+        if not _OUTPUT_OPTIONS.search(kind.__name__)
+    )
+
+
+def key_factors(owner: Any, ir: str) -> dict[str, Any]:
+    """Every factor that decides the code ``owner`` (the DSL) compiles from traced ``ir``."""
+    envar = owner.envar
     return {
         "format": KEY_FORMAT,
-        **_function_factors(fn),
-        "args": [describe_argument(a) for a in args],
-        "kwargs": {k: describe_argument(v) for k, v in sorted(kwargs.items())},
-        "options": "" if options is None else repr(options),
+        "ir": blake3.blake3(ir.encode()).hexdigest(),
+        "options": compile_options(owner.compile_options),
+        "settings": _unpathed(envar.cache_key_str()),
+        "arch": str(envar.arch),
         "dsl": dsl_stack(),
-        "arch": arch,
-        "settings": settings,
     }
 
 
 def key_digest(factors: dict) -> str:
     canonical = json.dumps(factors, sort_keys=True, separators=(",", ":")).encode()
     return blake3.blake3(canonical).hexdigest()[:32]
+
+
+def function_name(fn: Any) -> str:
+    """``module:qualname`` of what is compiled (a bound method's or an instance's class)."""
+    target = getattr(fn, "__func__", fn)
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        target = type(target)
+    target = inspect.unwrap(target)
+    return f"{target.__module__}:{target.__qualname__}"
+
+
+_dsl_lock = threading.Lock()
+
+
+def _supports_trace_hook() -> bool:
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    return hasattr(BaseDSL, "trace_finalize_hooks")
 
 
 # Told of every lookup that reaches a kernel: ("hit" | "compile" | "refused", function name,
@@ -243,6 +170,45 @@ def _report(kind: str, name: str, seconds: float | None) -> None:
         on_event(kind, name, seconds)
 
 
+@dataclass
+class Traced:
+    """One call's trace: the function, its key factors, the key and the normalised IR."""
+
+    name: str
+    factors: dict[str, Any]
+    ir: str
+    tvm_ffi: bool  # the calling convention the object is exported with
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = key_digest(self.factors)
+
+    @classmethod
+    def of(cls, name: str, owner: Any, module: Any) -> Traced:
+        """The trace the DSL (``owner``) made of ``name`` as ``module``."""
+        ir = normalized_ir(module)
+        tvm_ffi = bool(getattr(owner.compile_options, "enable_tvm_ffi", False))
+        return cls(name, key_factors(owner, ir), ir, tvm_ffi)
+
+
+class _Carried(Exception):
+    """Carries a result out of the DSL's trace: the compile that would follow is not needed."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("carried out of the trace")
+        self.value = value
+
+
+def _raised(exc: BaseException) -> BaseException | None:
+    """The ``_Carried`` or ``ColdCompileError`` the hook raised, under the DSL's wrapping."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None or isinstance(seen, (_Carried, ColdCompileError)):
+            return seen
+        seen = seen.__cause__ or getattr(seen, "cause", None)
+    return None
+
+
 class CuteDiskCache:
     """``compile(fn, *args, **kwargs)`` that loads from ``root`` on a hit and exports on a miss."""
 
@@ -253,58 +219,78 @@ class CuteDiskCache:
         self._memory: dict[str, Any] = {}
         self._modules: list[Any] = []  # loaded modules stay referenced while their functions live
         self._guard = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
-        self._checker = observe.Checker()
-        if _writable(self.root):  # only a layer that persists needs records
+        self._writable = _writable(self.root)
+        if self._writable:  # records explain a later miss; only a layer that persists keeps them
             observe.start()  # a no-op when install() or the warmer started it, earlier
 
     def compile(self, fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Any:
+        name = function_name(fn)
         try:
-            with observe.unobserved_block():  # keying reads sources: kernelcache's reads
-                factors = key_factors(fn, args, kwargs, options)
-        except UncacheableError as exc:
-            log.warning("kernelcache: cute.compile bypasses the cache: %s", exc)
-            with self._guard:
-                self.stats.bypassed += 1
-            return self._compile_now(fn, args, kwargs, options, factors=None)
-        key = key_digest(factors)
-        with self._lock_for(key):
-            if key in self._memory:
-                return self._memory[key]
-            with observe.unobserved_block():  # the layer's own files, not the kernel's
-                compiled = self._load(key, factors)
-            if compiled is None:
-                compiled = self._compile_now(fn, args, kwargs, options, factors=factors)
-                with observe.unobserved_block():
-                    self._persist(key, factors, compiled)
-            self._memory[key] = compiled
+            if not _supports_trace_hook():
+                raise UncacheableError("this nvidia-cutlass-dsl has no trace-finalize hook")
+        except (ImportError, UncacheableError) as exc:
+            return self._bypass(name, exc, lambda: _compile_with(fn, args, kwargs, options))
+        traced: list[Traced] = []
+        start = 0.0
+
+        def at_trace(owner: Any, module: Any, _: str) -> None:
+            with observe.unobserved_block():  # keying and loading: the layer's reads
+                found = Traced.of(name, owner, module)
+                traced.append(found)
+                with self._guard:
+                    self.stats.trace_seconds += time.perf_counter() - start
+                compiled = self._memory.get(found.key)
+                if compiled is None:
+                    compiled = self._load(found)
+                if compiled is not None:
+                    self._memory[found.key] = compiled  # one load per key and process
+                    raise _Carried(compiled)
+                if self.strict:
+                    _report("refused", name, None)
+                    raise ColdCompileError(self._refusal(found))
+
+        with _dsl_lock:  # the DSL traces through shared state: one call at a time
+            start = time.perf_counter()
+            try:
+                hooked = {**kwargs, "trace_finalize_hooks": at_trace}
+                compiled = _compile_with(fn, args, hooked, options)
+            except Exception as exc:
+                raised = _raised(exc)
+                if isinstance(raised, _Carried):
+                    return raised.value
+                if isinstance(raised, ColdCompileError):
+                    raise raised from None
+                raise
+            if not traced:  # a path the hook does not reach (a device function, say)
+                why = UncacheableError("the DSL compiled it without tracing through the hook")
+                return self._bypass(name, why, lambda: compiled)
+            self._counted(name, time.perf_counter() - start)
+            with observe.unobserved_block():
+                self._persist(traced[-1], compiled)
+            self._memory[traced[-1].key] = compiled
             return compiled
 
-    def _lock_for(self, key: str) -> threading.Lock:
+    def _bypass(self, name: str, why: Exception, compile_it: Callable[[], Any]) -> Any:
+        """A call that cannot be keyed: compiled, never cached (refused when strict)."""
+        log.warning("kernelcache: cute.compile of %s bypasses the cache: %s", name, why)
         with self._guard:
-            return self._key_locks.setdefault(key, threading.Lock())
+            self.stats.bypassed += 1
+        if self.strict:
+            _report("refused", name, None)
+            raise ColdCompileError(f"cute-dsl: {name} cannot be keyed in strict mode: {why}")
+        start = time.perf_counter()
+        compiled = compile_it()
+        self._counted(name, time.perf_counter() - start)
+        return compiled
 
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        return self.root / f"{key}.o", self.root / f"{key}.json"
+    def _paths(self, key: str) -> tuple[Path, Path, Path]:
+        return self.root / f"{key}.o", self.root / f"{key}.json", self.root / f"{key}.mlir"
 
-    def _load(self, key: str, factors: dict) -> Any | None:
-        obj_path, meta_path = self._paths(key)
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError):
-            return None  # absent or half-written: a miss, never an error
-        if meta.get("factors") != factors or not obj_path.is_file():
-            return None
-        problem = self._checker.check(self.root / OBSERVED_SUBDIR, meta.get("observed"))
-        if problem is not None:
-            name = factors["function"]
-            with self._guard:
-                self.stats.stale += 1
-            if self.strict:
-                _report("refused", name, None)
-                raise ColdCompileError(f"cute-dsl: {name} in {self.root} is stale: {problem}")
-            log.warning("kernelcache: cute-dsl: %s is stale, compiling: %s", name, problem)
-            return None
+    def _load(self, traced: Traced) -> Any | None:
+        obj_path, meta_path, _ = self._paths(traced.key)
+        meta = _read_meta(meta_path)
+        if meta is None or meta.get("factors") != traced.factors or not obj_path.is_file():
+            return None  # absent, half-written or tampered: a miss, never an error
         from cutlass.cute.runtime import load_module
 
         start = time.perf_counter()
@@ -315,62 +301,83 @@ class CuteDiskCache:
             self._modules.append(module)
             self.stats.hits += 1
             self.stats.load_seconds += seconds
-        _report("hit", factors["function"], seconds)
+        _report("hit", traced.name, seconds)
         return compiled
 
-    def _compile_now(
-        self, fn: Any, args: tuple, kwargs: dict, options: Any, *, factors: dict | None
-    ) -> Any:
-        name = factors["function"] if factors else getattr(fn, "__qualname__", repr(fn))
-        if self.strict:
-            _report("refused", name, None)
-            raise ColdCompileError(
-                f"cute-dsl: cold compile of {name} in strict mode (not in the cache at {self.root})"
-            )
-        import cutlass.cute as cute
-
-        compile_fn = _original_compile or cute.compile
-        start = time.perf_counter()
-        if options is not None:
-            kwargs = {**kwargs, "options": options}
-        compiled = compile_fn(fn, *args, **kwargs)
-        seconds = time.perf_counter() - start
+    def _counted(self, name: str, seconds: float) -> None:
         with self._guard:
             self.stats.misses += 1
             self.stats.compiled.append(name)
             self.stats.compile_seconds += seconds
         _report("compile", name, seconds)
-        return compiled
 
-    def _persist(self, key: str, factors: dict, compiled: Any) -> None:
+    def _refusal(self, traced: Traced) -> str:
+        """One line: the kernel, the first difference from the nearest recorded kernel, and
+        which input its record says moved since."""
+        line = (
+            f"cute-dsl: {traced.name} in {self.root}: no kernel compiled from this IR "
+            f"(ir {traced.factors['ir'][:12]}); strict mode refuses a cold compile"
+        )
+        nearest = self._nearest(traced)
+        if nearest is None:
+            return f"{line}; no kernel of {traced.name} is recorded there"
+        key, meta, ir = nearest
+        line += f"; nearest recorded kernel {key}: {_first_difference(traced, meta, ir)}"
+        moved = observe.Checker().check(self.root / OBSERVED_SUBDIR, meta.get("observed"))
+        if moved is not None:
+            return f"{line}; since its compile: {moved}"
+        return f"{line}; no input its compile was seen to read has moved"
+
+    def _nearest(self, traced: Traced) -> tuple[str, dict[str, Any], str] | None:
+        """The recorded kernel of the same function whose IR differs in the fewest lines."""
+        mine = Counter(traced.ir.splitlines())
+        best: tuple[int, str, dict[str, Any], str] | None = None
+        for meta_path in sorted(self.root.glob("*.json")):
+            meta = _read_meta(meta_path)
+            if meta is None or meta.get("function") != traced.name:
+                continue
+            try:
+                ir = (self.root / f"{meta_path.stem}.mlir").read_text()
+            except OSError:
+                ir = ""
+            theirs = Counter(ir.splitlines())
+            distance = sum(((mine - theirs) + (theirs - mine)).values())
+            if best is None or distance < best[0]:
+                best = (distance, meta_path.stem, meta, ir)
+        return None if best is None else best[1:]
+
+    def _persist(self, traced: Traced, compiled: Any) -> None:
         """Export atomically; failing to persist costs the next process a compile, no more."""
-        obj_path, meta_path = self._paths(key)
+        if not self._writable:
+            log.warning(
+                "kernelcache: %s is read-only: %s compiled, not kept", self.root, traced.name
+            )
+            return
+        obj_path, meta_path, ir_path = self._paths(traced.key)
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        prefix = f"kc_{key[:24]}"
-        module = factors["function"].partition(":")[0]
+        prefix = f"kc_{traced.key[:24]}"
         try:
-            observed = observe.record(self._outputs(), module)
+            observed = observe.record(self._outputs(), traced.name.partition(":")[0])
             address, record_bytes = observe.digest(observed)
-            with self._guard:
-                self.stats.unobserved.update(dict.fromkeys(observed["unobserved"]))
             tmp.mkdir(parents=True)
-            tvm_ffi = "--enable-tvm-ffi" in factors["options"]
-            if tvm_ffi:  # the TVM-FFI calling convention is generated with the C export
-                compiled.export_to_c(str(tmp), key, prefix)
+            if traced.tvm_ffi:  # the TVM-FFI calling convention is generated with the C export
+                compiled.export_to_c(str(tmp), traced.key, prefix)
             else:  # the object alone: a C header would need every argument to be C-typed
-                (tmp / f"{key}.o").write_bytes(compiled.dump_to_object(prefix))
-            os.replace(tmp / f"{key}.o", obj_path)
+                (tmp / f"{traced.key}.o").write_bytes(compiled.dump_to_object(prefix))
+            os.replace(tmp / f"{traced.key}.o", obj_path)
+            (tmp / "ir").write_text(traced.ir)
+            os.replace(tmp / "ir", ir_path)
             record_path = self.root / OBSERVED_SUBDIR / f"{address}.json"
             if not record_path.is_file():  # content-addressed: the same record is the same file
                 record_path.parent.mkdir(exist_ok=True)
                 (tmp / "record").write_bytes(record_bytes)
                 os.replace(tmp / "record", record_path)
-            size = obj_path.stat().st_size
             meta = {
-                "factors": factors,
+                "factors": traced.factors,
+                "function": traced.name,
                 "prefix": prefix,
-                "tvm_ffi": tvm_ffi,
-                "bytes": size,
+                "tvm_ffi": traced.tvm_ffi,
+                "bytes": obj_path.stat().st_size,
                 "observed": address,
             }
             (tmp / "meta").write_text(json.dumps(meta, sort_keys=True, indent=1))
@@ -378,13 +385,96 @@ class CuteDiskCache:
             with self._guard:
                 self.stats.persisted += 1
         except Exception as exc:  # the DSL's export errors are not OSErrors
-            log.warning("kernelcache: could not persist %s to %s: %s", key, self.root, exc)
+            log.warning("kernelcache: could not persist %s to %s: %s", traced.key, self.root, exc)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _outputs(self) -> list[str]:
         """Where compiles write, never what they read: this layer and the DSL's own cache."""
         return [str(self.root), *filter(None, [os.environ.get("CUTE_DSL_CACHE_DIR")])]
+
+
+def trace(fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Traced:
+    """What ``cute.compile(fn, *args, ...)`` is keyed by, traced and not compiled."""
+    name = function_name(fn)
+
+    def at_trace(owner: Any, module: Any, _: str) -> None:
+        raise _Carried(Traced.of(name, owner, module))
+
+    with _dsl_lock:
+        try:
+            _compile_with(fn, args, {**kwargs, "trace_finalize_hooks": at_trace}, options)
+        except Exception as exc:
+            raised = _raised(exc)
+            if isinstance(raised, _Carried):
+                return raised.value
+            raise
+    raise UncacheableError(f"{name}: the DSL compiled it without tracing through the hook")
+
+
+def moved_since(root: Path) -> dict[str, str]:
+    """Per function recorded under ``root``: the first input its compile read that differs in
+    this process (``observe``), for ``kernelcache explain``. An explanation only: whether a
+    kernel still loads is decided by its traced IR."""
+    moved: dict[str, str] = {}
+    checker = observe.Checker()
+    for meta_path in sorted(root.glob("*.json")):
+        meta = _read_meta(meta_path)
+        if meta is None or not isinstance(meta.get("function"), str):
+            continue
+        problem = checker.check(root / OBSERVED_SUBDIR, meta.get("observed"))
+        if problem is not None:
+            moved.setdefault(meta["function"], problem)
+    return moved
+
+
+def _compile_with(fn: Any, args: tuple, kwargs: dict, options: Any) -> Any:
+    import cutlass.cute as cute
+
+    compile_fn = _original_compile or cute.compile
+    if options is not None:
+        kwargs = {**kwargs, "options": options}
+    return compile_fn(fn, *args, **kwargs)
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _first_difference(traced: Traced, meta: dict[str, Any], ir: str) -> str:
+    """The first factor, else the first IR line, where ``traced`` differs from a record."""
+    recorded = meta.get("factors") or {}
+    for factor, value in traced.factors.items():
+        if factor != "ir" and recorded.get(factor) != value:
+            return f"its {factor} {_pair(str(recorded.get(factor)), str(value))}"
+    theirs, mine = ir.splitlines(), traced.ir.splitlines()
+    matcher = difflib.SequenceMatcher(None, theirs, mine, autojunk=False)
+    for tag, i1, _, j1, _ in matcher.get_opcodes():
+        if tag != "equal":
+            was = theirs[i1].strip() if i1 < len(theirs) else "(end)"
+            now = mine[j1].strip() if j1 < len(mine) else "(end)"
+            return f"IR line {j1 + 1} {_pair(was, now)}"
+    return "the same IR (its other factors differ)"
+
+
+def _pair(was: str, now: str) -> str:
+    """``was X, here Y``, each shown around where they first differ."""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b),
+        min(len(was), len(now)),
+    )
+    return f"was {_clip(was, at)}, here {_clip(now, at)}"
+
+
+def _clip(text: str, at: int) -> str:
+    """``text`` around character ``at`` (where it first differs), at most ``_SHOWN`` long."""
+    start = max(0, min(at - _SHOWN // 3, len(text) - _SHOWN))
+    shown = text[start : start + _SHOWN]
+    return repr(("…" if start else "") + shown + ("…" if start + _SHOWN < len(text) else ""))
 
 
 def _writable(root: Path) -> bool:

@@ -465,6 +465,7 @@ class Writer:
         keep: int = 2,
         workers: int | None = None,
         trusted: Sequence[Ed25519PublicKey] = (),
+        accept: Callable[[Path], bool] = lambda generation: True,
     ) -> Manifest | None:
         """Point CURRENT back at a kept generation built with this stamp, without building.
 
@@ -495,6 +496,8 @@ class Writer:
             )
             if not result.ok or result.manifest is None:
                 log.warning("not making %s current again: %s", path, result.problems[0].message)
+                continue
+            if not accept(path):  # the caller's own check (its kernels would be refused)
                 continue
             if signing_key is not None and result.signer != fingerprint(signing_key):
                 self._resign(path, result, signing_key)

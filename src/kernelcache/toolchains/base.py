@@ -219,6 +219,16 @@ class Warmer(ABC):
         self.check_expected(report, grown, arch)
         return report
 
+    def would_refuse(self, files_dir: Path, arch: str) -> str | None:
+        """Why a strict serving process would refuse a kernel of this warmer from the
+        generation at ``files_dir``, whose stamp matches (None: it would serve them all)."""
+        with scoped_env({**self.config.env, **self.env(files_dir, arch)}):
+            return self.outdated(files_dir, arch)
+
+    def outdated(self, files_dir: Path, arch: str) -> str | None:
+        """``would_refuse`` under the warm's environment; the stamp is all most keys hold."""
+        return None
+
     def env(self, files_dir: Path, arch: str) -> dict[str, str]:
         """The variables the warm runs under, over the spec's ``env`` (its caches, say)."""
         return {}

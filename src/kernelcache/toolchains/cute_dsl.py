@@ -7,21 +7,24 @@ CPU-only machine: the build runs each arch in its own process with ``CUTE_DSL_AR
 before the DSL is imported (the variable is read at import).
 
 Serving: ``cutlass.cute.compile`` is routed through the disk layer once the DSL is imported,
-which reports every hit and compile. Strict: a kernel missing from the layer is refused
-before compiling (``ColdCompileError``).
+which traces each call, keys it by its IR and reports every hit and compile. Strict: a kernel
+whose IR is missing from the layer is refused before compiling (``ColdCompileError``). A
+build calls the current generation up to date only when a strict lookup of every kernel it
+declares would load (``CuteDslWarmer.outdated``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 from kernelcache import progress
-from kernelcache.errors import WarmError
+from kernelcache.errors import ColdCompileError, WarmError
 from kernelcache.runtime import metrics
-from kernelcache.runtime.cute import CACHE_DIR_ENV
+from kernelcache.runtime.cute import CACHE_DIR_ENV, CuteDiskCache
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, call_entry_points
 
@@ -31,49 +34,75 @@ SUBDIR = "cute-dsl"  # kernelcache's disk layer for cute.compile
 JIT_SUBDIR = "cute-dsl-jit"  # the DSL's own file cache (jit-decorated calls)
 
 
-@dataclass
-class CuteDslReport(WarmerReport):
-    # What the kernels' records could not see into (a subprocess's reads, a module imported
-    # before observation began): named, not silently trusted.
-    unobserved: list[str] = field(default_factory=list)
-
-
 class CuteDslWarmer(Warmer):
     type = "cute-dsl"
-    report_type = CuteDslReport
     fills = (SUBDIR,)
     counts_held = True
 
+    def sources(self) -> dict[str, str]:
+        """None: each kernel is keyed by its traced IR, which a build traces again before it
+        calls a generation up to date (``outdated``); a source factor in the stamp could only
+        throw a generation away for an edit that changes no kernel (a comment, a move)."""
+        return {}
+
     def produce(self, files_dir: Path, arch: str, report: WarmerReport) -> None:
+        def on_compile(name: str, seconds: float) -> None:
+            progress.compiled(self.type, name, seconds)
+
+        with self._routed(files_dir, files_dir / SUBDIR, on_compile=on_compile) as cache:
+            report.kernels = self._call(arch)
+            if cache.stats.bypassed:
+                raise WarmError(
+                    f"cute-dsl warmer: {cache.stats.bypassed} compile(s) could not be keyed "
+                    "and were not cached (see the warnings above)"
+                )
+            report.compiled = cache.stats.misses
+
+    def outdated(self, files_dir: Path, arch: str) -> str | None:
+        """Trace every kernel and look it up in ``files_dir`` as a strict serving process
+        would: the first refusal, or None when every one would load."""
+        with self._routed(files_dir, files_dir / SUBDIR, strict=True):
+            try:
+                self._call(arch)
+            except WarmError as exc:
+                if isinstance(exc.__cause__, ColdCompileError):
+                    return str(exc.__cause__)
+                raise
+        return None
+
+    def _call(self, arch: str) -> list[str]:
+        return call_entry_points(
+            self.type, self.config.entry_points, self.spec_dir, self.config.workload, arch
+        )
+
+    @contextlib.contextmanager
+    def _routed(
+        self,
+        files_dir: Path,
+        root: Path,
+        *,
+        strict: bool = False,
+        on_compile: Callable[[str, float], None] | None = None,
+    ) -> Iterator[CuteDiskCache]:
+        """``cute.compile`` through the disk layer at ``root`` for a block, observed (each
+        kernel's record explains a later miss) from before any entry point is imported."""
         from kernelcache.runtime import cute as cute_cache
         from kernelcache.runtime import observe
 
-        assert isinstance(report, CuteDslReport)
-        observe.start(exclude=[files_dir])  # before any entry point is imported
+        observe.start(exclude=[files_dir])
         cute_cache.install()
         previous = cute_cache.on_event
 
         def on_event(kind: str, name: str, seconds: float | None) -> None:
-            if kind == "compile" and seconds is not None:
-                progress.compiled(self.type, name, seconds)
+            if kind == "compile" and seconds is not None and on_compile is not None:
+                on_compile(name, seconds)
             if previous is not None:
                 previous(kind, name, seconds)
 
         cute_cache.on_event = on_event
         try:
-            with cute_cache.cache_dir(files_dir / SUBDIR) as cache:
-                report.kernels = call_entry_points(
-                    self.type, self.config.entry_points, self.spec_dir, self.config.workload, arch
-                )
-                if cache.stats.bypassed:
-                    raise WarmError(
-                        f"cute-dsl warmer: {cache.stats.bypassed} compile(s) could not be keyed "
-                        "and were not cached (see the warnings above)"
-                    )
-                report.compiled = cache.stats.misses
-                report.unobserved = sorted(cache.stats.unobserved)
-                for note in report.unobserved:
-                    log.warning("cute-dsl warmer: not observed: %s", note)
+            with cute_cache.cache_dir(root, strict=strict) as cache:
+                yield cache
         finally:
             cute_cache.on_event = previous
             cute_cache.uninstall()
