@@ -255,6 +255,10 @@ def resolve_entry_point(entry_point: str, spec_dir: Path | None) -> Callable[...
         target: Any = importlib.import_module(module_name)
         for attr in attr_path.split("."):
             target = getattr(target, attr)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:  # the module is here; something it imports is not
+            raise WarmError(f"entry point {entry_point}: cannot import: {exc}") from exc
+        raise WarmError(not_found(f"entry point {entry_point}", module_name)) from exc
     except (ImportError, AttributeError) as exc:
         raise WarmError(f"entry point {entry_point}: cannot import: {exc}") from exc
     if not callable(target):
@@ -279,11 +283,15 @@ def entry_point_sources(
         raise WarmError(f"{kind} warmer: cannot key the kernels: {exc.message}") from exc
     for module in modules:
         if digests.get(module, ABSENT) == ABSENT:
-            raise WarmError(
-                f"{kind} warmer: cannot import {module}, beside the spec or on sys.path: "
-                f"{import_problem(module)}"
-            )
+            raise WarmError(not_found(f"{kind} warmer", module))
     return digests
+
+
+def not_found(who: str, module: str) -> str:
+    """The line for a kernel module not found here, and where it was looked for."""
+    return (
+        f"{who}: cannot import {module}, beside the spec or on sys.path: {import_problem(module)}"
+    )
 
 
 def call_entry_points(
