@@ -208,6 +208,52 @@ def test_spec_change_starts_new_jobs_and_keeps_the_published_generation(cluster:
         wait_until(lambda: cluster.arch("demo", "sm_90a").get("generation") == "new-sm_90a")
 
 
+NODE_MAP = path("v1", "configmaps", NS, "kernelcache-nodes")
+GPU_LABELS = {"nvidia.com/gpu.compute.major": "9", "nvidia.com/gpu.compute.minor": "0"}
+
+
+def _node_map(cluster: Cluster) -> dict[str, str] | None:
+    """The namespace's node map as serving pods would mount it; None while it is missing."""
+    found = [
+        c
+        for c in cluster.kube.list(path("v1", "configmaps", NS))
+        if c["metadata"]["name"] == "kernelcache-nodes"
+    ]
+    return found[0].get("data") or {} if found else None
+
+
+def test_a_pruned_node_map_is_written_again_and_a_re_created_namespace_gets_one(
+    cluster: Cluster,
+) -> None:
+    """A GitOps prune deletes the node map; a namespace is emptied and filled again with the
+    same KernelCache. Either way the map is back, with the node in it, without a Node
+    changing or the operator restarting (until then every new pod's init-container there
+    fails: no node map)."""
+    cluster.kube.create(
+        path("v1", "nodes", None), {"metadata": {"name": "gpu-1", "labels": GPU_LABELS}}
+    )
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: "gpu-1" in (_node_map(cluster) or {}), what="the node map")
+
+        cluster.kube.delete(NODE_MAP)  # pruned
+        wait_until(lambda: "gpu-1" in (_node_map(cluster) or {}), what="the map written again")
+
+        # The namespace emptied: its last KernelCache goes, then the map (a namespace
+        # deletion); a node joining meanwhile writes no map where no KernelCache is.
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        cluster.kube.delete(NODE_MAP)
+        cluster.kube.create(
+            path("v1", "nodes", None), {"metadata": {"name": "gpu-2", "labels": GPU_LABELS}}
+        )
+        time.sleep(scaled(1.5))
+        assert _node_map(cluster) is None
+
+        cluster.apply(example())  # re-applied under the same name
+        wait_until(lambda: {"gpu-1", "gpu-2"} <= set(_node_map(cluster) or {}), what="a new map")
+
+
 def test_delete_removes_jobs_and_the_finalizer(cluster: Cluster) -> None:
     with operator(cluster):
         cluster.apply(example())
