@@ -110,6 +110,12 @@ def stamp_mismatch(tmp: Path) -> str:
     return verify(store, *H200, "--check-env", code=4)
 
 
+def image_not_published(tmp: Path) -> str:
+    """A pod on image B, while the store holds only generations built for another image."""
+    store, _ = published(tmp)
+    return verify(store, *H200, "--expect-image", "registry.example/vllm:0.10.0", code=4)
+
+
 def other_gpu_product(tmp: Path) -> str:
     store, _ = published(tmp)
     return verify(store, "--arch", "sm_90a", "--gpu-product", "NVIDIA H100 80GB HBM3", code=4)
@@ -355,6 +361,7 @@ def flashinfer_module_missing(tmp: Path) -> str:
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
+    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); none of the … generations kept besides CURRENT (…) was built for it either …": image_not_published,  # noqa: E501
     "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
     "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,
     "…/MANIFEST.json: published for key team-a/llama/sm_120a, not for team-a/llama/sm_90a": another_keys_generation,  # noqa: E501

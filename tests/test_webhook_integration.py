@@ -11,6 +11,7 @@ operator's ``inject`` handler as it would through a MutatingWebhookConfiguration
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.helpers.operator_cluster import (
     example,
     kubernetes,
     operator,
+    result_message,
     wait_until,
 )
 
@@ -33,8 +35,12 @@ from tests.helpers.operator_cluster import (
 import kopf
 
 from kernelcache.controller import main, webhook
+from kernelcache.controller.kube import kernelcache_path
 from kernelcache.controller.manifests import peering_crds
 from kernelcache.crd import crd_manifest
+from kernelcache.stamp_policy import ENGINE_IMAGE_FACTOR
+from tests.conftest import run_kernelcache
+from tests.helpers.generations import ARCH, make_stamp, publish
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
 
@@ -154,5 +160,113 @@ def test_pods_created_through_the_api_are_injected_once_or_refused(
                 pods.create_namespaced_pod(NS, again)
             )
             assert readmitted["spec"] == spec
+    finally:
+        _SERVER.clear()
+
+
+def _verify_as_injected(init: dict[str, Any], store: Path, tmp: Path, arch: str) -> tuple[int, str]:
+    """Run the injected init-container's command as the kubelet would, its volumes at local
+    paths (the claim at ``store``, a fresh emptyDir, the node's arch given for the node map):
+    its exit code and termination message."""
+    args = list(init["args"])
+    local = {"--store": str(store), "--materialize": str(tmp / "emptydir")}
+    local["--termination-log"] = str(tmp / "termination-log")
+    for option, value in local.items():
+        args[args.index(option) + 1] = value
+    at = args.index("--node-map")
+    args[at : at + 2] = ["--arch", arch, "--gpu-product", "NVIDIA H200"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "emptydir").mkdir(parents=True)
+    proc = run_kernelcache(*init["command"][1:], *args)
+    said = (tmp / "termination-log").read_text().strip() if proc.returncode else ""
+    return proc.returncode, said
+
+
+def test_an_engine_image_change_serves_the_old_image_and_says_which_pods_are_refused(
+    cluster: Cluster, pods: Any, tmp_path: Path
+) -> None:
+    """spec.engine.image moves from 0.1.0 to 0.2.0 while a Deployment rolls: until 0.2.0's
+    generation publishes, a new pod on 0.1.0 is admitted and its init-container loads 0.1.0's
+    generation; a pod on 0.2.0 is admitted and refused by its init-container (exit 4, naming
+    the image); status and a Warning event say so. Once 0.2.0's publishes, 0.2.0's pods start,
+    and a 0.1.0 pod admitted just before still loads the kept 0.1.0 generation."""
+    old, new = IMAGE, "ghcr.io/kernelcache/examples:0.2.0"
+    store = tmp_path / "store"
+
+    def published(image: str, files: dict[str, bytes]) -> str:
+        stamp = make_stamp(**{ENGINE_IMAGE_FACTOR: image, "arch": ARCH})
+        return publish(store, f"{NS}/demo/{ARCH}", files, stamp).name
+
+    def admitted(name: str, image: str) -> dict[str, Any]:
+        body = serving_pod(name)
+        body["spec"]["containers"][0]["image"] = image
+        created = pods.api_client.sanitize_for_serialization(pods.create_namespaced_pod(NS, body))
+        (init,) = created["spec"]["initContainers"]
+        return dict(init)
+
+    def degraded() -> dict[str, Any]:
+        found = cluster.status("demo").get("conditions") or []
+        return next((c for c in found if c["type"] == "Degraded"), {})
+
+    port = _free_port()
+    _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    one_class = [example()["spec"]["gpuClasses"][0]]
+    assert one_class[0]["arch"] == ARCH
+    try:
+        with operator(cluster):
+            wait_until(lambda: _listening(port), what="the operator's webhook server")
+            cluster.emulator.pod_webhook = f"http://127.0.0.1:{port}/inject"
+            cluster.apply(example(gpuClasses=one_class))
+            first = published(old, {"cute-dsl/old.o": b"\x7fELF old"})
+            cluster.finish(cluster.run("demo", ARCH), message=result_message(ARCH, first))
+            wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+
+            cluster.kube.patch(kernelcache_path(NS, "demo"), {"spec": {"engine": {"image": new}}})
+            job = wait_until(
+                lambda: [
+                    j
+                    for j in cluster.jobs()
+                    if j["spec"]["template"]["spec"]["containers"][0]["image"] == new
+                ],
+                what="the new image's Job",
+            )[0]
+            wait_until(lambda: degraded().get("status") == "True", what="Degraded")
+            status = cluster.status("demo")
+            assert (status["phase"], status["servingArches"]) == ("Degraded", "0/1")
+            assert degraded()["reason"] == "ImageNotPublished"
+            assert f"pods on {new} are refused" in degraded()["message"]
+            assert f"pods on {old} load generation {first}" in degraded()["message"]
+            warned = wait_until(
+                lambda: [e for e in cluster.events("demo") if e["reason"] == "ImageNotPublished"],
+                what="the Warning event",
+            )
+            assert warned[0]["type"] == "Warning" and new in warned[0]["message"]
+
+            # The rollout: a pod on each image.
+            init_old = admitted("llama-old-0", old)
+            assert _verify_as_injected(init_old, store, tmp_path / "p0", ARCH) == (0, "")
+            code, said = _verify_as_injected(
+                admitted("llama-new-0", new), store, tmp_path / "p1", ARCH
+            )
+            assert code == 4 and new in said and "extra/engine_image" in said, said
+
+            # 0.2.0's generation publishes; the pod on 0.1.0 admitted before still starts.
+            second = published(new, {"cute-dsl/new.o": b"\x7fELF new"})
+            cluster.finish(job, message=result_message(ARCH, second))
+            wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready again")
+            assert cluster.status("demo")["servingArches"] == "1/1"
+            code, said = _verify_as_injected(
+                admitted("llama-new-1", new), store, tmp_path / "p2", ARCH
+            )
+            assert (code, said) == (0, "")
+            assert _verify_as_injected(init_old, store, tmp_path / "p3", ARCH) == (0, "")
+            report = json.loads(
+                (tmp_path / "p3" / "emptydir" / "kernelcache-verify.json").read_text()
+            )
+            assert report["generation"] == first
+            # A new pod on 0.1.0 now runs another image than the KernelCache caches for.
+            with pytest.raises(kubernetes.client.ApiException) as refused:
+                admitted("llama-old-1", old)
+            assert refused.value.status == 403
     finally:
         _SERVER.clear()

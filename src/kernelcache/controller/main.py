@@ -175,7 +175,9 @@ def node_changed(type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
 
 
 @kopf.on.event("", "v1", "configmaps", labels=NODE_MAP_LABELS)
-def node_map_changed(type: str | None, namespace: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+def node_map_changed(
+    type: str | None, namespace: str | None, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """A node map was deleted (a GitOps prune): write it again while its namespace has a
     KernelCache, rather than leave every new pod there without its node's arch."""
     if type == "DELETED" and namespace:

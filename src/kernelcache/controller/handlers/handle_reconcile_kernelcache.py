@@ -164,8 +164,14 @@ def _reconcile_once(
                 message = f"{arch}: created Job {new['metadata']['name']}"
                 events.append(state.Event("Normal", "JobCreated", message))
         plans.append(plan)
-    status = signing.with_trust(
-        kc, state.summarize(plans, generation, previous, now), secret, previous, now
+    trust = signing.trust_condition(kc, [p.status for p in plans], secret)
+    status = state.summarize(
+        plans,
+        generation,
+        previous,
+        now,
+        image=manifests.image_of(kc),
+        checks=[trust] if trust is not None else [],
     )
     if config.prefetch_root:
         status["nodes"] = _prefetch(kube, config, body, kc, status, owner)
