@@ -286,3 +286,28 @@ def wait_until(
                 f"timed out waiting for {what or check} ({scaled(timeout):g} s): last {value!r}"
             )
         time.sleep(interval)
+
+
+def warm_on_a_full_volume(tmp_path: Path, command: list[str]) -> tuple[int, str, str]:
+    """``kernelcache warm`` as the compile Job runs it, its store on a 512 KiB volume (a
+    tmpfs in a private mount namespace) that the warmer fills: its exit code and the
+    termination message it writes, and its stderr; skipped where no such namespace can be
+    made."""
+    volume, result = tmp_path / "volume", tmp_path / "termination-log"
+    volume.mkdir()
+    spec = write_spec(tmp_path, warmers=[{"type": "command", "command": command}])
+    mount = f'mount -t tmpfs -o size=512k tmpfs {volume} && exec "$@"'
+    warm = [
+        sys.executable, "-m", "kernelcache", "warm", "-f", str(spec),
+        "--store", str(volume / "store"), "--arch", "sm_90a", "--result", str(result),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", mount, "sh", *warm],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    if not result.exists() and ("unshare" in proc.stderr or "mount" in proc.stderr):
+        pytest.skip(f"no private mount namespace here: {proc.stderr.strip()[-200:]}")
+    return proc.returncode, result.read_text(), proc.stderr

@@ -27,9 +27,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kernelcache.errors import ColdCompileError, error_line
+from kernelcache.errors import ColdCompileError, ExitCode, error_line
 from kernelcache.store import Store, manifest_checksum
-from tests.conftest import EXAMPLES, REPO, kernelcache_doc, publish_files, run_kernelcache
+from tests.conftest import (
+    EXAMPLES,
+    REPO,
+    kernelcache_doc,
+    publish_files,
+    run_kernelcache,
+    warm_on_a_full_volume,
+)
 from tests.helpers import generations
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -114,6 +121,13 @@ def image_not_published(tmp: Path) -> str:
     """A pod on image B, while the store holds only generations built for another image."""
     store, _ = published(tmp)
     return verify(store, *H200, "--expect-image", "registry.example/vllm:0.10.0", code=4)
+
+
+def volume_full(tmp: Path) -> str:
+    command = ["sh", "-c", "dd if=/dev/zero of=$TRITON_CACHE_DIR/k.bin bs=1k count=4096"]
+    code, _, stderr = warm_on_a_full_volume(tmp, command)
+    assert code == ExitCode.IO, stderr
+    return stderr.strip().splitlines()[-1]
 
 
 def other_gpu_product(tmp: Path) -> str:
@@ -363,6 +377,7 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
     "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); none of the … generations kept besides CURRENT (…) was built for it either …": image_not_published,  # noqa: E501
     "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
+    "command warmer: sh exited with 1 for sm_90a: no space left on device (its output: dd: error writing '…': No space left on device)": volume_full,  # noqa: E501
     "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,
     "…/MANIFEST.json: published for key team-a/llama/sm_120a, not for team-a/llama/sm_90a": another_keys_generation,  # noqa: E501
     "team-a/llama/sm_90a: generation … has no arch in its stamp (written by an older kernelcache): rebuild it (kernelcache build --force)": no_arch_in_stamp,  # noqa: E501

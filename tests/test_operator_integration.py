@@ -42,7 +42,8 @@ from kernelcache.controller.manifests import (
     peering_crds,
 )
 from kernelcache.crd import crd_manifest
-from tests.conftest import scaled, wait_until
+from kernelcache.errors import ExitCode
+from tests.conftest import scaled, wait_until, warm_on_a_full_volume
 
 
 @pytest.fixture
@@ -252,6 +253,40 @@ def test_a_pruned_node_map_is_written_again_and_a_re_created_namespace_gets_one(
 
         cluster.apply(example())  # re-applied under the same name
         wait_until(lambda: {"gpu-1", "gpu-2"} <= set(_node_map(cluster) or {}), what="a new map")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sh", "-c", "dd if=/dev/zero of=$TRITON_CACHE_DIR/k.bin bs=1k count=4096"],
+        [
+            sys.executable,
+            "-c",
+            "import os; open(os.environ['TRITON_CACHE_DIR'] + '/k', 'wb').write(bytes(4 << 20))",
+        ],
+    ],
+    ids=["dd", "python"],
+)
+def test_a_warmer_that_fills_the_volume_is_named_a_full_volume_in_status(
+    cluster: Cluster, tmp_path: Path, command: list[str]
+) -> None:
+    """A full volume, not "sh exited with 1": the warm classifies it (exit 10, the I/O
+    class, its line saying no space is left) and the operator shows that line in the arch's
+    status and the CompileFailed event."""
+    code, message, _ = warm_on_a_full_volume(tmp_path, command)
+    assert code == ExitCode.IO, message
+    result = json.loads(message)
+    assert result["exit_code"] == ExitCode.IO and result["status"] == "failed"
+    assert "No space left on device" in result["message"], result
+    assert result["message"].startswith(f"command warmer: {command[0]} exited with 1 for sm_90a")
+    with operator(cluster):
+        cluster.apply(example(gpuClasses=[example()["spec"]["gpuClasses"][0]]))
+        for _ in range(2):  # both attempts: the volume stays full
+            cluster.finish(cluster.run("demo", "sm_90a"), failed=True, message=message)
+            failed = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Failed")
+        assert "No space left on device" in failed["message"], failed
+        events = [e for e in cluster.events("demo") if e["reason"] == "CompileFailed"]
+        assert events and "No space left on device" in events[-1]["message"]
 
 
 def test_delete_removes_jobs_and_the_finalizer(cluster: Cluster) -> None:

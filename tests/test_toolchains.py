@@ -183,3 +183,25 @@ def test_a_tree_read_in_place_is_its_toolchains_alone_and_placed_by_none() -> No
     assert toolchains.in_place_dirs() == {sub for t in readers for sub in t.cache_env.values()}
     # Checked against what each library does on a read-only, noexec tree (docs/distribution.md):
     assert [t.name for t in readers] == ["cute-dsl"]
+
+
+def test_a_warm_failure_caused_by_a_full_disk_is_named_so(tmp_path: Path) -> None:
+    """ENOSPC (or a quota) anywhere in a warmer's failure, or in its output: a full volume."""
+    import errno
+
+    from kernelcache.errors import WarmError
+    from kernelcache.toolchains.base import volume_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "k.bin"))
+        except OSError as exc:
+            raise WarmError("cute-dsl entry point m:f failed for sm_90a: OSError") from exc
+    except WarmError as failed:
+        said = volume_full(failed, tmp_path)
+    assert said == f"no space left writing {tmp_path / 'k.bin'} (ENOSPC: No space left on device)"
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert "EDQUOT" in (volume_full(quota, tmp_path) or "")
+    assert volume_full(WarmError("sh exited with 1"), tmp_path) is None  # a disk with room
+    line = "cp: error writing 'x': No space left on device"
+    assert line in (volume_full(WarmError("sh exited with 1"), tmp_path, line) or "")
