@@ -140,6 +140,12 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                 subresources=set(version.get("subresources") or ()),
             )
 
+    async def _serve_server_version(self, request: Request) -> Payload:
+        """The version of the kubectl and helm the tests run (kmock says 1.26), which the
+        chart's kubeVersion admits: ``helm template --dry-run=server`` asks it."""
+        version: Any = await super()._serve_server_version(request)
+        return {**version, "minor": "35", "gitVersion": "v1.35.0"}
+
     def _next_revision(self) -> str:
         self._revision += 1
         return str(self._revision)

@@ -10,14 +10,18 @@ operator's ``inject`` handler as it would through a MutatingWebhookConfiguration
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 # First: it sets the operator's environment, which kernelcache.controller.main reads on import.
 from tests.helpers.operator_cluster import (
@@ -35,11 +39,12 @@ from tests.helpers.operator_cluster import (
 import kopf
 
 from kernelcache.controller import main, webhook
-from kernelcache.controller.kube import kernelcache_path
+from kernelcache.controller.kube import kernelcache_path, path
 from kernelcache.controller.manifests import peering_crds
 from kernelcache.crd import crd_manifest
 from kernelcache.stamp_policy import ENGINE_IMAGE_FACTOR
-from tests.conftest import run_kernelcache
+from tests.conftest import run_kernelcache, scaled
+from tests.helpers.chart import CHART, HELM
 from tests.helpers.generations import ARCH, make_stamp, publish
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
@@ -268,5 +273,75 @@ def test_an_engine_image_change_serves_the_old_image_and_says_which_pods_are_ref
             with pytest.raises(kubernetes.client.ApiException) as refused:
                 admitted("llama-old-1", old)
             assert refused.value.status == 403
+    finally:
+        _SERVER.clear()
+
+
+def _webhook_tls(docs: list[dict[str, Any]]) -> tuple[str, str, str, str]:
+    """(the Secret's ca.crt, tls.crt, the mutating webhook's caBundle, the pods' checksum)
+    of a rendered chart."""
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
+    mutating = next(d for d in docs if d["kind"] == "MutatingWebhookConfiguration")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    checksum = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/webhook-tls"]
+    bundle = mutating["webhooks"][0]["clientConfig"]["caBundle"]
+    return secret["data"]["ca.crt"], secret["data"]["tls.crt"], bundle, checksum
+
+
+def test_a_helm_upgrade_keeps_the_webhook_certificate_the_operator_serves(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Install, then upgrade: the upgrade renders (helm's server-side dry run reads the live
+    Secret, as ``helm upgrade`` does) the certificate already installed, so the caBundle the
+    API server trusts still matches what the running operator serves over TLS, and the
+    operator's pods are not rolled for a new one. Without an installed Secret, each render
+    makes a new certificate."""
+    if not HELM.exists():
+        pytest.skip("helm is not installed: run scripts/install-kube-tools.sh")
+    namespace = "kernelcache-system"
+
+    def rendered(*args: str) -> list[dict[str, Any]]:
+        proc = subprocess.run(
+            [str(HELM), "template", "kc", str(CHART), "--namespace", namespace, *args],
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+    installed = rendered()
+    assert _webhook_tls(installed)[1] != _webhook_tls(rendered())[1]  # no Secret: a new one
+    assert _webhook_tls(installed)[0] == _webhook_tls(installed)[2]  # one CA, both places
+    # What helm install leaves of the Secret (the chart's objects, owned by the release).
+    secret = next(d for d in installed if d["kind"] == "Secret")
+    owner = {"meta.helm.sh/release-name": "kc", "meta.helm.sh/release-namespace": namespace}
+    secret["metadata"].setdefault("annotations", {}).update(owner)
+    cluster.kube.create(path("v1", "secrets", namespace), secret)
+
+    server = ("--dry-run=server", "--disable-openapi-validation")
+    upgraded = rendered(*server, "--kubeconfig", str(tmp_path / "kubeconfig"))
+    assert _webhook_tls(upgraded) == _webhook_tls(installed)
+
+    # The operator serves the installed certificate (its Secret, mounted), and a client that
+    # trusts the upgrade's caBundle, as the API server then does, completes the handshake.
+    tls = tmp_path / "webhook-tls"
+    tls.mkdir()
+    for key in ("tls.crt", "tls.key"):
+        (tls / key).write_bytes(base64.b64decode(secret["data"][key]))
+    port = _free_port()
+    _SERVER["server"] = kopf.WebhookServer(
+        addr="127.0.0.1", port=port, certfile=str(tls / "tls.crt"), pkeyfile=str(tls / "tls.key")
+    )
+    context = ssl.create_default_context(
+        cadata=base64.b64decode(_webhook_tls(upgraded)[2]).decode()
+    )
+    service = f"kc-kernelcache-webhook.{namespace}.svc"
+    try:
+        with operator(cluster):
+            wait_until(lambda: _listening(port), what="the operator's webhook server")
+            raw = socket.create_connection(("127.0.0.1", port), timeout=scaled(10))
+            with context.wrap_socket(raw, server_hostname=service) as conn:
+                assert conn.version()
     finally:
         _SERVER.clear()
