@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -44,7 +43,14 @@ pytestmark = [
 
 from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE  # noqa: E402
 from tests.cluster.images import Image, build_image  # noqa: E402
-from tests.conftest import REPO, SMALL_WORKLOAD, run_kernelcache, scaled, wait_until  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    REPO,
+    SMALL_WORKLOAD,
+    free_port,
+    run_kernelcache,
+    scaled,
+    wait_until,
+)
 
 NAMESPACE = "kernelcache-system"
 RELEASE = "kc"
@@ -60,12 +66,6 @@ NODES = [
 EXAMPLE = REPO / "examples" / "kernelcache.yaml"
 SERVING_POD = REPO / "examples" / "demo-serving-pod.yaml"
 RESYNC = 2  # the operator's resync in seconds (operator.resyncSeconds)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

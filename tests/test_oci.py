@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,12 +211,10 @@ class Pushed:
 
 
 def upload_bytes(client: Client, data: bytes) -> dict:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kc-test-{artifact.digest_of(data)[7:]}"
-    path.write_bytes(data)
-    try:
+    with tempfile.TemporaryDirectory() as tmp:  # its own: another test process may upload it too
+        path = Path(tmp) / "blob"
+        path.write_bytes(data)
         client.upload_blob(path, artifact.digest_of(data), len(data))
-    finally:
-        path.unlink()
     return {"digest": artifact.digest_of(data), "size": len(data)}
 
 

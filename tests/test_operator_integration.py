@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from kernelcache.controller.manifests import (
 )
 from kernelcache.crd import crd_manifest
 from kernelcache.errors import ExitCode
-from tests.conftest import scaled, wait_until, warm_on_a_full_volume
+from tests.conftest import free_port, scaled, wait_until, warm_on_a_full_volume
 
 
 @pytest.fixture
@@ -389,11 +389,9 @@ def test_two_replicas_only_one_reconciles(cluster: Cluster) -> None:
         assert {e["reportingInstance"] for e in cluster.events("two")} == {"replica-a"}
 
 
-def test_kernelcache_operator_command_serves_liveness_and_metrics(
-    cluster: Cluster, unused_tcp_port_factory: Callable[[], int]
-) -> None:
+def test_kernelcache_operator_command_serves_liveness_and_metrics(cluster: Cluster) -> None:
     """The shipped entry point, as a process configured by environment alone."""
-    liveness, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    liveness, metrics_port = free_port(), free_port()
     env = {
         **os.environ,
         "KERNELCACHE_OPERATOR_LIVENESS": f"http://127.0.0.1:{liveness}/healthz",

@@ -13,7 +13,6 @@ every panel query of ``prometheus/kernelcache-dashboard.json`` must return serie
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from tests.conftest import (
     REPO,
     SMALL_WORKLOAD,
     DemoBuild,
+    free_port,
     kernelcache_doc,
     needs_cute,
     subprocess_env,
@@ -68,12 +68,6 @@ def serving(**env: str) -> Iterator[int]:
     finally:
         proc.kill()
         proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def api(port: int, path: str, **params: str) -> Any:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -39,6 +38,7 @@ from tests.conftest import (
     REPO,
     SMALL_WORKLOAD,
     DemoBuild,
+    free_port,
     needs_cute,
     publish_files,
     serve_python,
@@ -169,12 +169,6 @@ def make_generation(root: Path, files: dict[str, bytes], **factors: str) -> Path
     generation = store.current(key)
     assert generation is not None
     return generation
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- configuration

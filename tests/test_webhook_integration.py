@@ -43,7 +43,7 @@ from kernelcache.controller.kube import kernelcache_path, path
 from kernelcache.controller.manifests import peering_crds
 from kernelcache.crd import crd_manifest
 from kernelcache.stamp_policy import ENGINE_IMAGE_FACTOR
-from tests.conftest import run_kernelcache, scaled
+from tests.conftest import free_port, run_kernelcache, scaled
 from tests.helpers.chart import CHART, HELM
 from tests.helpers.generations import ARCH, make_stamp, publish
 
@@ -59,12 +59,6 @@ def _serve_admission_over_http(settings: kopf.OperatorSettings, **_: Any) -> Non
     server = _SERVER.get("server")
     if server is not None:
         settings.admission.server = server
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -111,7 +105,7 @@ def serving_pod(name: str, cache: str = "demo") -> dict[str, Any]:
 def test_pods_created_through_the_api_are_injected_once_or_refused(
     cluster: Cluster, pods: Any
 ) -> None:
-    port = _free_port()
+    port = free_port()
     _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
     try:
         with operator(cluster):
@@ -213,7 +207,7 @@ def test_an_engine_image_change_serves_the_old_image_and_says_which_pods_are_ref
         found = cluster.status("demo").get("conditions") or []
         return next((c for c in found if c["type"] == "Degraded"), {})
 
-    port = _free_port()
+    port = free_port()
     _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
     one_class = [example()["spec"]["gpuClasses"][0]]
     assert one_class[0]["arch"] == ARCH
@@ -329,7 +323,7 @@ def test_a_helm_upgrade_keeps_the_webhook_certificate_the_operator_serves(
     tls.mkdir()
     for key in ("tls.crt", "tls.key"):
         (tls / key).write_bytes(base64.b64decode(secret["data"][key]))
-    port = _free_port()
+    port = free_port()
     _SERVER["server"] = kopf.WebhookServer(
         addr="127.0.0.1", port=port, certfile=str(tls / "tls.crt"), pkeyfile=str(tls / "tls.key")
     )

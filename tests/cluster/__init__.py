@@ -67,7 +67,7 @@ from tests.cluster.api import ADMIN, ClusterAPI, certificate_authority, label_se
 from tests.cluster.controllers import Controllers
 from tests.cluster.images import Image
 from tests.cluster.kubelet import Kubelet, PodRunner
-from tests.conftest import scaled
+from tests.conftest import free_port, scaled
 from tests.k8s_emulator import serving
 from tests.operator_process import kubeconfig
 
@@ -152,12 +152,6 @@ class Cluster:
     def node_disk(self, node: str) -> Path:
         """A node's local disk: where its hostPath volumes lie."""
         return self.kubelet.node_disk(node)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def serves_tls(port: int) -> bool:
