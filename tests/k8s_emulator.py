@@ -64,6 +64,8 @@ import kmock
 import yaml
 from kmock import Payload, Request, action
 
+from tests.conftest import scaled
+
 _WRITES = (action.CREATE, action.UPDATE, action.DELETE)
 
 
@@ -505,7 +507,7 @@ def serving(
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), name="k8s-emulator")
     thread.start()
-    if not ready.wait(timeout=10):
+    if not ready.wait(timeout=scaled(10)):
         raise RuntimeError("the Kubernetes emulator did not start")
     try:
         yield holder["emulator"], holder["url"]

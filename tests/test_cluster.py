@@ -325,7 +325,7 @@ def kc_status(kc: harness.Cluster, name: str) -> dict[str, Any]:
 def wait_ready(kc: harness.Cluster, name: str) -> dict[str, Any]:
     return wait_until(
         lambda: (st := kc_status(kc, name)).get("phase") == "Ready" and st,
-        timeout=300,
+        timeout=scaled(300),
         interval=1,
         what=f"KernelCache {name}: Ready",
     )

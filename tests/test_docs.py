@@ -35,6 +35,7 @@ from tests.conftest import (
     kernelcache_doc,
     publish_files,
     run_kernelcache,
+    scaled,
     warm_on_a_full_volume,
 )
 from tests.helpers import generations
@@ -563,7 +564,8 @@ def test_a_command_the_docs_show_runs(sandbox, command):
         if words[1] in ("install", "upgrade"):
             words = [words[0], "template", *[w for w in words[2:] if w not in RELEASE_FLAGS]]
         proc = subprocess.run([str(HELM), *words[1:]], cwd=sandbox["root"], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+                              text=True, timeout=scaled(120),
+                              env={**os.environ, **env})  # fmt: skip
     expected = EXPECTED_EXIT.get(command, 0)
     assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 

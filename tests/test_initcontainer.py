@@ -34,7 +34,7 @@ from kernelcache.store import (
     Manifest,
     generate_keypair,
 )
-from tests.conftest import subprocess_env
+from tests.conftest import scaled, subprocess_env
 from tests.helpers.generations import (
     ARCH,
     COMPILED,
@@ -113,7 +113,7 @@ class Pod:
             "--termination-log", str(self.termination_log),
             *args,
         ]  # fmt: skip
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(120))
 
     def assert_refused(self, proc: subprocess.CompletedProcess, code: ExitCode, *names: str) -> str:
         assert proc.returncode == code, (proc.returncode, proc.stderr)

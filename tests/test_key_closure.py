@@ -41,6 +41,7 @@ from tests.conftest import (
     SMALL_WORKLOAD,
     needs_cute,
     run_kernelcache,
+    scaled,
     system_tool,
     write_warmer_spec,
 )
@@ -245,7 +246,7 @@ class World:
             cwd=cwd or self.work,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
         )
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -279,7 +280,7 @@ class World:
             ],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert proc.returncode == 0, proc.stderr
 
@@ -291,7 +292,7 @@ def _compile_c(compiler: str, source: str, out: Path, *flags: str) -> None:
         [compiler, "-x", "c", "-shared", "-fPIC", "-O1", str(src), "-o", str(out), *flags],
         check=True,
         capture_output=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     src.unlink()
 
@@ -401,7 +402,7 @@ def checker(world: World) -> Iterator[Callable[..., dict[str, Any]]]:
 
     yield ask
     proc.stdin.close()
-    proc.wait(timeout=60)
+    proc.wait(timeout=scaled(60))
 
 
 # --- changes -----------------------------------------------------------------------------
@@ -749,7 +750,7 @@ def test_permissive_serving_compiles_a_stale_kernel_and_counts_it(world, tmp_pat
             cwd=world.work,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
         )
     assert proc.returncode == 0, proc.stderr
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -802,7 +803,7 @@ def test_what_the_warm_could_not_observe_is_named(world, tmp_path):
                 cwd=world.work,
                 capture_output=True,
                 text=True,
-                timeout=600,
+                timeout=scaled(600),
             )
     finally:
         module.unlink()

@@ -42,7 +42,7 @@ from kernelcache.store import (
     load_private_key,
     load_public_key,
 )
-from tests.conftest import subprocess_env, wait_until
+from tests.conftest import scaled, subprocess_env, wait_until
 from tests.helpers.trust import KERNEL, forge, warmer
 
 ARCH = "sm_90a"
@@ -111,7 +111,7 @@ class Kubelet:
             env=subprocess_env(KC_TEST_RUNS=str(self.runs)),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         log = mounts["/dev/termination-log"]
         message = log.read_text() if log.exists() else proc.stderr[-4000:]

@@ -34,6 +34,7 @@ from tests.conftest import (
     free_port,
     kernelcache_doc,
     needs_cute,
+    scaled,
     subprocess_env,
     system_tool,
 )
@@ -103,7 +104,7 @@ def prometheus(tmp: Path, targets: dict[str, int]) -> Iterator[int]:
         yield port
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 def wait_for(what: str, check: Any, log: Path) -> Any:

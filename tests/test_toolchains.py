@@ -18,7 +18,7 @@ from kernelcache.spec import Warmer as WarmerSpec
 from kernelcache.store import Store
 from kernelcache.toolchains.base import Toolchain
 from kernelcache.toolchains.flashinfer import BuildLogTail
-from tests.conftest import subprocess_env
+from tests.conftest import scaled, subprocess_env
 
 HEAVY = ("torch", "cutlass", "triton", "flashinfer", "tvm_ffi", "numpy", "vllm", "pydantic")
 
@@ -107,7 +107,7 @@ def test_the_serving_side_imports_no_compiler_and_nothing_of_the_build_side():
     env = subprocess_env()
     env.pop("KERNELCACHE_DIR", None)
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=scaled(120)
     )
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout)
@@ -141,7 +141,11 @@ def test_install_sets_the_flashinfer_arch_list_the_warm_recorded(tmp_path):
         env = subprocess_env(KERNELCACHE_DIR=str(directory), KERNELCACHE_ARCH="sm_120a")
         env.pop("FLASHINFER_CUDA_ARCH_LIST", None)
         proc = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
         )
         assert proc.returncode == 0, proc.stderr
         return dict(json.loads(proc.stdout))

@@ -180,7 +180,7 @@ def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[
     rendered = subprocess.run(
         [str(HELM), "template", "kc", str(REPO / "charts" / "kernelcache"),
          "--namespace", namespace, "-f", str(file)],
-        capture_output=True, text=True, check=True, timeout=60,
+        capture_output=True, text=True, check=True, timeout=scaled(60),
     ).stdout  # fmt: skip
     applied = the.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered)
     if applied.returncode != 0:
