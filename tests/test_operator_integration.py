@@ -255,6 +255,34 @@ def test_a_pruned_node_map_is_written_again_and_a_re_created_namespace_gets_one(
         wait_until(lambda: {"gpu-1", "gpu-2"} <= set(_node_map(cluster) or {}), what="a new map")
 
 
+def _configmaps(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in cluster.kube.list(path("v1", "configmaps", NS))}
+
+
+def test_the_operators_configmaps_pruned_under_it_are_written_again(cluster: Cluster) -> None:
+    """A GitOps prune deletes what the operator made and owns no manifest for: the spec
+    ConfigMap a waiting compile Job mounts (its pod could never start), and the published
+    record a re-created namesake and the webhook read. Each is back at the next resync,
+    as it was."""
+    with operator(cluster):
+        cluster.apply(example(gpuClasses=[example()["spec"]["gpuClasses"][0]]))
+        job = cluster.run("demo", "sm_90a")
+        volumes = job["spec"]["template"]["spec"]["volumes"]
+        (spec_map,) = [v["configMap"]["name"] for v in volumes if "configMap" in v]
+        before = wait_until(lambda: _configmaps(cluster).get(spec_map), what="the spec map")
+        cluster.kube.delete(path("v1", "configmaps", NS, spec_map))
+        again = wait_until(lambda: _configmaps(cluster).get(spec_map), what="it written again")
+        assert again["data"] == before["data"]
+
+        cluster.finish(job, message=result_message("sm_90a", "g1"))
+        record = "kc-demo-published"
+        before = wait_until(lambda: _configmaps(cluster).get(record), what="the record")
+        assert "g1" in before["data"]["published.json"]
+        cluster.kube.delete(path("v1", "configmaps", NS, record))
+        again = wait_until(lambda: _configmaps(cluster).get(record), what="it written again")
+        assert again["data"] == before["data"]
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -39,6 +39,7 @@ from kernelcache.images import InvalidImageReference, same_image
 from kernelcache.spec import ArchStatus
 
 JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
+UNFINISHED: tuple[JobState, ...] = ("Pending", "Compiling")
 
 # What an arch keeps from its last published result while a new build runs, as the CRD
 # names each field of ``spec.ArchStatus``.
@@ -327,7 +328,7 @@ def superseded(jobs: Iterable[dict[str, Any]], digest: str) -> list[str]:
         job["metadata"]["name"]
         for job in jobs
         if (job["metadata"].get("labels") or {}).get(LABEL_DIGEST) != digest
-        and job_state(job) in ("Pending", "Compiling")
+        and job_state(job) in UNFINISHED
     ]
 
 
@@ -374,7 +375,7 @@ def plan_arch(
     name, attempt = job["metadata"]["name"], job_attempt(job)
     of = f" (attempt {attempt + 1} of {policy.max_attempts})" if attempt else ""
     outcome = job_state(job)
-    if outcome in ("Pending", "Compiling") and stuck:
+    if outcome in UNFINISHED and stuck:
         message = f"Job {name} cannot start{of}: {stuck}"
         return ArchPlan(status("Pending", message), None, True, job, CANNOT_START)
     if outcome == "Pending":
