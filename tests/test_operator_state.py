@@ -376,9 +376,8 @@ def test_a_new_image_building_says_which_pods_are_refused_and_serves_the_old() -
     assert status["phase"] == "Degraded" and status["servingArches"] == "0/1"
     assert found["Degraded"]["reason"] == state.IMAGE_NOT_PUBLISHED
     assert found["Degraded"]["message"] == (
-        f"sm_90a: pods on {new} are refused until its generation publishes (Job kc-new is "
-        f"compiling), unless the store still keeps one built for it; pods on {old} load "
-        "generation g-old"
+        f"sm_90a: pods on {new} are refused until its generation publishes, unless the store "
+        f"still keeps one built for it; pods on {old} load generation g-old"
     )
     (warning,) = [e for e in state.transitions(ready, status) if e.type == "Warning"]
     assert warning.reason == state.IMAGE_NOT_PUBLISHED and new in warning.message

@@ -491,10 +491,12 @@ def serves_image(arch: dict[str, Any], image: str | None) -> bool:
 
 
 def _refusal(arch: dict[str, Any], image: str | None) -> str:
+    """Which pods of an arch are refused, and which load what. Without the build's progress
+    (the arch's own message says it), so that it changes, and is told, once per image."""
     return (
-        f"{arch['arch']}: pods on {image} are refused until its generation publishes "
-        f"({arch.get('message') or arch['phase']}), unless the store still keeps one built "
-        f"for it; pods on {arch.get('engineImage')} load generation {arch.get('generation')}"
+        f"{arch['arch']}: pods on {image} are refused until its generation publishes, unless "
+        f"the store still keeps one built for it; pods on {arch.get('engineImage')} load "
+        f"generation {arch.get('generation')}"
     )
 
 
