@@ -272,13 +272,13 @@ def test_an_engine_image_change_serves_the_old_image_and_says_which_pods_are_ref
 
 
 def _webhook_tls(docs: list[dict[str, Any]]) -> tuple[str, str, str, str]:
-    """(the Secret's ca.crt, tls.crt, the mutating webhook's caBundle, the pods' checksum)
+    """(the Secret's ca.crt, tls.crt, the one caBundle of every webhook, the pods' checksum)
     of a rendered chart."""
     secret = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
-    mutating = next(d for d in docs if d["kind"] == "MutatingWebhookConfiguration")
+    configs = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     checksum = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/webhook-tls"]
-    bundle = mutating["webhooks"][0]["clientConfig"]["caBundle"]
+    (bundle,) = {w["clientConfig"]["caBundle"] for c in configs for w in c["webhooks"]}
     return secret["data"]["ca.crt"], secret["data"]["tls.crt"], bundle, checksum
 
 
