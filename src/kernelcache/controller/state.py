@@ -27,7 +27,7 @@ digest is new for every ``metadata.generation``, so a reverted spec's old Jobs a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -507,7 +507,7 @@ def summarize(
     now: datetime,
     *,
     image: str | None = None,
-    checks: Iterable[Check] = (),
+    checks: Sequence[Check] = (),
 ) -> dict[str, Any]:
     """The whole status: per-arch entries, the conditions, and the phase read from them.
 
