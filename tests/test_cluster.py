@@ -432,9 +432,11 @@ def test_a_compile_pod_that_cannot_start_degrades_the_kernelcache_naming_why(
     def degraded() -> dict[str, Any] | None:
         st = kc_status(kc, name)
         found = {c["type"]: c for c in st.get("conditions") or []}.get("Degraded") or {}
-        return st if found.get("status") == "True" else None
+        return st if found.get("reason") == "JobCannotStart" else None
 
-    # Within a resync of the pod being refused (and its Job's start, which is an event).
+    # Within a resync of the pod being refused (and its Job's start, which is an event). A
+    # signing Secret that does not exist degrades it before (NoPublicKey: pods would refuse
+    # what it publishes); the pod that cannot start is the more precise cause, and wins.
     st = wait_until(degraded, timeout=2 * RESYNC + 15, interval=0.5, what=f"{name}: Degraded")
     assert st["phase"] == "Degraded"
     condition = {c["type"]: c for c in st["conditions"]}["Degraded"]
