@@ -10,14 +10,17 @@ import fcntl
 import importlib.util
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import jsonschema
 import pytest
@@ -286,3 +289,63 @@ def wait_until(
                 f"timed out waiting for {what or check} ({scaled(timeout):g} s): last {value!r}"
             )
         time.sleep(interval)
+
+
+def warm_on_a_full_volume(tmp_path: Path, command: list[str]) -> tuple[int, str, str]:
+    """``kernelcache warm`` as the compile Job runs it, its store on a 512 KiB volume (a
+    tmpfs in a private mount namespace) that the warmer fills: its exit code and the
+    termination message it writes, and its stderr; skipped where no such namespace can be
+    made."""
+    volume, result = tmp_path / "volume", tmp_path / "termination-log"
+    volume.mkdir()
+    spec = write_spec(tmp_path, warmers=[{"type": "command", "command": command}])
+    mount = f'mount -t tmpfs -o size=512k tmpfs {volume} && exec "$@"'
+    warm = [
+        sys.executable, "-m", "kernelcache", "warm", "-f", str(spec),
+        "--store", str(volume / "store"), "--arch", "sm_90a", "--result", str(result),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", mount, "sh", *warm],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    if not result.exists() and ("unshare" in proc.stderr or "mount" in proc.stderr):
+        pytest.skip(f"no private mount namespace here: {proc.stderr.strip()[-200:]}")
+    return proc.returncode, result.read_text(), proc.stderr
+
+
+# Ports this test process reserved (``free_port``): their lock files stay open until it exits.
+_PORT_LOCKS: list[IO[str]] = []
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 for a server the test starts later, that no other test
+    process is handed meanwhile.
+
+    Binding port 0 and closing the socket races: the kernel hands that same ephemeral port to
+    the next port-0 bind of any process, and a test beside this one (a registry, a token
+    service) then answers on it (a 404 from the wrong server). So the port is taken below the
+    ephemeral range, where no port-0 bind lands, and reserved by a lock file that this process
+    holds until it exits, which another worker (of this or any checkout) skips.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1025, min(20000, low - 4000))
+    locks = Path(tempfile.gettempdir()) / "kernelcache-test-ports"
+    locks.mkdir(exist_ok=True)
+    for port in random.sample(range(first, low), min(2000, low - first)):
+        handle = (locks / f"{port}.lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+        except OSError:  # held by another test process, or in use
+            handle.close()
+            continue
+        _PORT_LOCKS.append(handle)
+        return port
+    raise RuntimeError(f"no free port in {first}-{low - 1} on 127.0.0.1")

@@ -64,6 +64,8 @@ import kmock
 import yaml
 from kmock import Payload, Request, action
 
+from tests.conftest import scaled
+
 _WRITES = (action.CREATE, action.UPDATE, action.DELETE)
 
 
@@ -139,6 +141,12 @@ class KubernetesEmulator(kmock.KubernetesEmulator):
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
                 subresources=set(version.get("subresources") or ()),
             )
+
+    async def _serve_server_version(self, request: Request) -> Payload:
+        """The version of the kubectl and helm the tests run (kmock says 1.26), which the
+        chart's kubeVersion admits: ``helm template --dry-run=server`` asks it."""
+        version: Any = await super()._serve_server_version(request)
+        return {**version, "minor": "35", "gitVersion": "v1.35.0"}
 
     def _next_revision(self) -> str:
         self._revision += 1
@@ -499,7 +507,7 @@ def serving(
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), name="k8s-emulator")
     thread.start()
-    if not ready.wait(timeout=10):
+    if not ready.wait(timeout=scaled(10)):
         raise RuntimeError("the Kubernetes emulator did not start")
     try:
         yield holder["emulator"], holder["url"]

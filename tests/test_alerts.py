@@ -11,7 +11,7 @@ import subprocess
 
 import yaml
 
-from tests.conftest import REPO, system_tool
+from tests.conftest import REPO, scaled, system_tool
 
 RULES = REPO / "prometheus" / "kernelcache-rules.yaml"
 RULE_TESTS = REPO / "prometheus" / "kernelcache-rules.test.yaml"
@@ -29,7 +29,7 @@ ALERTS = {
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
     command = [system_tool("promtool"), *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=scaled(120))
 
 
 def test_rules_are_valid():

@@ -595,7 +595,7 @@ def test_ctrl_c_is_130_and_in_the_table(tmp_path):
     )  # fmt: skip
     wait_until(started.exists, timeout=120, what="the warmer to start")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=scaled(120))
     assert proc.returncode == ExitCode.INTERRUPTED == 130, err
     assert err.strip().splitlines()[-1] == "kernelcache: interrupted"
     assert ExitCode.INTERRUPTED in EXIT_CODE_HELP

@@ -21,6 +21,7 @@ from tests.conftest import (
     SMALL_WORKLOAD,
     needs_cute,
     one_line_error,
+    scaled,
     subprocess_env,
     write_spec,
 )
@@ -192,7 +193,7 @@ def test_materialized_generation_serves_a_fresh_process_with_zero_compiles(tmp_p
         ),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert served.returncode == 0, served.stdout + served.stderr
     assert "2 loaded from cache, 0 compiled" in served.stdout

@@ -74,8 +74,9 @@ USED: list[tuple[str, str, set[str], str]] = [
     # create: reconcile writes the spec ConfigMap the compile Jobs read; create/patch:
     # handle_update_nodes writes the node map serving pods read; get/create/patch: the
     # published record (reconcile), delete: the finalizer drops it with the data, patch: or
-    # keeps the spec in it; get: webhook.lookup reads that kept spec for a deleted one.
-    ("", "configmaps", {"get", "create", "patch", "delete"}, "all"),
+    # keeps the spec in it; get: webhook.lookup reads that kept spec for a deleted one;
+    # list/watch: node_map_changed (main) writes a deleted node map again.
+    ("", "configmaps", {"get", "list", "watch", "create", "patch", "delete"}, "all"),
     # list/watch: the gpu_nodes index and node_changed handler (main).
     ("", "nodes", {"list", "watch"}, "all"),
     # create: kopf.event in main._post and main.delete (and kopf's own handler events), and

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(
     reason="kubectl or helm is not installed: run scripts/install-kube-tools.sh",
 )
 
+from tests.conftest import scaled  # noqa: E402
 from tests.helpers.operator_cluster import Cluster, emulated_cluster  # noqa: E402
 
 APPLY = ("apply", "--server-side", "--validate=false")
@@ -67,7 +68,7 @@ def kubectl(tmp_path: Path, *args: str, stdin: str | None = None) -> str:
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0 and not proc.stderr, (args, proc.stdout, proc.stderr)
     return proc.stdout
@@ -79,7 +80,7 @@ def rendered_chart() -> str:
         [str(HELM), "template", RELEASE, str(CHART), "--namespace", NAMESPACE],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

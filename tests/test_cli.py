@@ -79,7 +79,7 @@ def built(tmp_path_factory) -> dict[str, Any]:
         if "warm-up step 1 of the engine" in line:
             go.touch()  # seen while the warmer waits: streamed, not collected at the end
     stdout = proc.stdout.read()
-    assert proc.wait(timeout=600) == 0, "".join(streamed)
+    assert proc.wait(timeout=scaled(600)) == 0, "".join(streamed)
     return {"spec": spec, "store": store, "stdout": stdout, "stderr": "".join(streamed), "tmp": tmp}
 
 
@@ -147,11 +147,11 @@ def test_a_second_builder_says_it_waits_for_the_lock(built):
         reader.start()
         said = wait_until(
             lambda: [line for line in lines if "waiting for the writer lock" in line],
-            timeout=120,
+            timeout=scaled(120),
             what="the waiting line",
         )
         assert proc.poll() is None  # still waiting while we hold the lock
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=scaled(120)) == 0
     assert key in said[0] and "pid" in said[0]
 
 

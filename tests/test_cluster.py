@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -44,7 +43,14 @@ pytestmark = [
 
 from kernelcache.spec import PUBLIC_KEY_FILE, SIGNING_KEY_FILE  # noqa: E402
 from tests.cluster.images import Image, build_image  # noqa: E402
-from tests.conftest import REPO, SMALL_WORKLOAD, run_kernelcache, scaled, wait_until  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    REPO,
+    SMALL_WORKLOAD,
+    free_port,
+    run_kernelcache,
+    scaled,
+    wait_until,
+)
 
 NAMESPACE = "kernelcache-system"
 RELEASE = "kc"
@@ -60,12 +66,6 @@ NODES = [
 EXAMPLE = REPO / "examples" / "kernelcache.yaml"
 SERVING_POD = REPO / "examples" / "demo-serving-pod.yaml"
 RESYNC = 2  # the operator's resync in seconds (operator.resyncSeconds)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -325,7 +325,7 @@ def kc_status(kc: harness.Cluster, name: str) -> dict[str, Any]:
 def wait_ready(kc: harness.Cluster, name: str) -> dict[str, Any]:
     return wait_until(
         lambda: (st := kc_status(kc, name)).get("phase") == "Ready" and st,
-        timeout=300,
+        timeout=scaled(300),
         interval=1,
         what=f"KernelCache {name}: Ready",
     )
@@ -432,9 +432,11 @@ def test_a_compile_pod_that_cannot_start_degrades_the_kernelcache_naming_why(
     def degraded() -> dict[str, Any] | None:
         st = kc_status(kc, name)
         found = {c["type"]: c for c in st.get("conditions") or []}.get("Degraded") or {}
-        return st if found.get("status") == "True" else None
+        return st if found.get("reason") == "JobCannotStart" else None
 
-    # Within a resync of the pod being refused (and its Job's start, which is an event).
+    # Within a resync of the pod being refused (and its Job's start, which is an event). A
+    # signing Secret that does not exist degrades it before (NoPublicKey: pods would refuse
+    # what it publishes); the pod that cannot start is the more precise cause, and wins.
     st = wait_until(degraded, timeout=2 * RESYNC + 15, interval=0.5, what=f"{name}: Degraded")
     assert st["phase"] == "Degraded"
     condition = {c["type"]: c for c in st["conditions"]}["Degraded"]

@@ -26,7 +26,7 @@ from kernelcache.runtime import metrics
 from kernelcache.store import Store
 from kernelcache.toolchains import cute_dsl
 from tests.conftest import DEMO_WORKLOAD as WORKLOAD
-from tests.conftest import needs_cute, subprocess_env, write_warmer_spec
+from tests.conftest import needs_cute, scaled, subprocess_env, write_warmer_spec
 from tests.helpers.stores import (
     assert_every_generation_verifies,
     start_worker,
@@ -73,7 +73,7 @@ def run_together(go: Path, commands: list[list[str]]) -> list[str]:
     go.touch()
     outputs = []
     for proc in procs:
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=scaled(300))
         assert proc.returncode == 0, err.decode()
         outputs.append(out.decode())
     return outputs
@@ -165,7 +165,7 @@ def test_eight_publishers_of_two_contents_on_one_key_serialise_and_dedup(tmp_pat
     go.touch()
     runs = []
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=scaled(120))
         assert proc.returncode == 0, err.decode()
         runs.append(json.loads(out))
 
@@ -195,7 +195,7 @@ def run_threads(count: int, work: Callable[[int], T]) -> list[T]:
     barrier = threading.Barrier(count)
 
     def released(index: int) -> T:
-        barrier.wait(timeout=60)
+        barrier.wait(timeout=scaled(60))
         return work(index)
 
     interval = sys.getswitchinterval()

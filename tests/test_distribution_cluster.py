@@ -57,7 +57,7 @@ pytestmark = [
 ]
 
 from tests.cluster.images import Image, build_image  # noqa: E402
-from tests.conftest import REPO, wait_until  # noqa: E402
+from tests.conftest import REPO, scaled, wait_until  # noqa: E402
 from tests.helpers.registry import authfile  # noqa: E402
 
 NAMESPACE = "kernelcache-system"
@@ -343,7 +343,7 @@ def test_a_node_whose_disk_cannot_hold_a_copy_says_so_per_node_and_keeps_nothing
     root = a.node_disk("a-h200-3") / PREFETCH_ROOT.lstrip("/")
     root.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "kc-full", str(root)],
-                   check=True, timeout=30)  # fmt: skip
+                   check=True, timeout=scaled(30))  # fmt: skip
     try:
         a.kube.create("/api/v1/nodes", harness.gpu_node("a-h200-3", *H200))
 
@@ -369,7 +369,7 @@ def test_a_node_whose_disk_cannot_hold_a_copy_says_so_per_node_and_keeps_nothing
         assert node_states(a).get(("a-h200-1", "sm_90a")) == "Ready"  # other nodes: untouched
     finally:
         remove_node(a, "a-h200-3")
-        subprocess.run(["umount", "--lazy", str(root)], check=True, timeout=30)
+        subprocess.run(["umount", "--lazy", str(root)], check=True, timeout=scaled(30))
 
 
 def test_the_charts_limit_bounds_each_nodes_copies_a_fetch_that_cannot_fit_says_so(

@@ -330,7 +330,7 @@ def verify(store: Path, *args: str | Path) -> tuple[subprocess.CompletedProcess[
         [sys.executable, "-c", COUNTING, str(store), "verify", "--store", str(store),
          "--namespace", NS, "--name", NAME, "--arch", ARCH, "--gpu-product", PRODUCT,
          "--expect-image", IMAGE, *map(str, args)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     counted = [line for line in done.stderr.splitlines() if line.startswith("shared-store-reads")]
     reads = int(counted[-1].split()[1])
@@ -478,7 +478,7 @@ def test_a_full_node_disk_fails_the_fetch_and_the_copy_a_pod_uses_still_verifies
     )
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"exit={int(ExitCode.IO)}" in done.stdout, done.stdout
@@ -512,7 +512,7 @@ def test_a_pod_of_another_store_pulls_by_digest_and_starts_warm(
          "--namespace", "elsewhere", "--name", "served", "--arch", ARCH,
          "--gpu-product", PRODUCT, "--expect-image", IMAGE,
          "--materialize", str(tmp_path / "pod")],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"{KEY}: generation" in done.stdout and "pulled by digest" in done.stdout
@@ -523,7 +523,7 @@ def test_a_pod_of_another_store_pulls_by_digest_and_starts_warm(
         [sys.executable, "-m", "kernelcache", "verify", "--pull", f"sm_120a={pushed.ref_digest}",
          "--namespace", "elsewhere", "--name", "served", "--arch", ARCH,
          "--materialize", str(tmp_path / "pod-2")],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert done.returncode == ExitCode.MISSING_GENERATION
     assert one_line_error(done).endswith("(arches with one: sm_120a)")

@@ -29,9 +29,17 @@ import pytest
 import yaml
 
 from kernelcache.crd import crd_manifest
-from kernelcache.errors import error_line
+from kernelcache.errors import ExitCode, error_line
 from kernelcache.store import Store, manifest_checksum
-from tests.conftest import EXAMPLES, REPO, kernelcache_doc, publish_files, run_kernelcache
+from tests.conftest import (
+    EXAMPLES,
+    REPO,
+    kernelcache_doc,
+    publish_files,
+    run_kernelcache,
+    scaled,
+    warm_on_a_full_volume,
+)
 from tests.helpers import generations
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -110,6 +118,19 @@ def no_generation(tmp: Path) -> str:
 def stamp_mismatch(tmp: Path) -> str:
     store, _ = published(tmp, stamp=generations.make_stamp(**{"dist/blake3": "0.0.1 record=ab"}))
     return verify(store, *H200, "--check-env", code=4)
+
+
+def image_not_published(tmp: Path) -> str:
+    """A pod on image B, while the store holds only generations built for another image."""
+    store, _ = published(tmp)
+    return verify(store, *H200, "--expect-image", "registry.example/vllm:0.10.0", code=4)
+
+
+def volume_full(tmp: Path) -> str:
+    command = ["sh", "-c", "dd if=/dev/zero of=$TRITON_CACHE_DIR/k.bin bs=1k count=4096"]
+    code, _, stderr = warm_on_a_full_volume(tmp, command)
+    assert code == ExitCode.IO, stderr
+    return stderr.strip().splitlines()[-1]
 
 
 def other_gpu_product(tmp: Path) -> str:
@@ -380,7 +401,9 @@ def flashinfer_module_missing(tmp: Path) -> str:
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
+    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); none of the … generations kept besides CURRENT (…) was built for it either …": image_not_published,  # noqa: E501
     "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
+    "command warmer: sh exited with 1 for sm_90a: no space left on device (its output: dd: error writing '…': No space left on device)": volume_full,  # noqa: E501
     "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,
     "…/MANIFEST.json: published for key team-a/llama/sm_120a, not for team-a/llama/sm_90a": another_keys_generation,  # noqa: E501
     "team-a/llama/sm_90a: generation … has no arch in its stamp (written by an older kernelcache): rebuild it (kernelcache build --force)": no_arch_in_stamp,  # noqa: E501
@@ -567,7 +590,8 @@ def test_a_command_the_docs_show_runs(sandbox, command):
         if words[1] in ("install", "upgrade"):
             words = [words[0], "template", *[w for w in words[2:] if w not in RELEASE_FLAGS]]
         proc = subprocess.run([str(HELM), *words[1:]], cwd=sandbox["root"], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+                              text=True, timeout=scaled(120),
+                              env={**os.environ, **env})  # fmt: skip
     expected = EXPECTED_EXIT.get(command, 0)
     assert proc.returncode == expected, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from kernelcache.store import Store
-from tests.conftest import subprocess_env
+from tests.conftest import scaled, subprocess_env
 
 HEAVY = ("torch", "cutlass", "triton", "flashinfer", "tvm_ffi", "numpy")
 
@@ -32,7 +32,7 @@ def slim_kernelcache(*args: str) -> subprocess.CompletedProcess:
         env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
 
 

@@ -34,7 +34,7 @@ from kernelcache.store import (
     Manifest,
     generate_keypair,
 )
-from tests.conftest import subprocess_env
+from tests.conftest import scaled, subprocess_env
 from tests.helpers.generations import (
     ARCH,
     COMPILED,
@@ -113,7 +113,7 @@ class Pod:
             "--termination-log", str(self.termination_log),
             *args,
         ]  # fmt: skip
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(120))
 
     def assert_refused(self, proc: subprocess.CompletedProcess, code: ExitCode, *names: str) -> str:
         assert proc.returncode == code, (proc.returncode, proc.stderr)
@@ -572,6 +572,38 @@ def test_labels_from_the_node_map_pick_and_materialize_the_generation(
     assert report["tuning_dropped"] == 0
     assert report["arch_source"] == "node gpu-h200 labels"
     assert not pod.termination_log.exists()
+
+
+def test_a_pod_on_the_previous_image_loads_the_kept_generation_built_for_it(pod: Pod) -> None:
+    """An engine-image change: the new image's generation has published (or a kept one was
+    made current again), and a pod still on the previous image is admitted during the
+    rollout. It loads the generation built for its image, which the store keeps; an image no
+    kept generation was built for is refused, naming the factor and what was looked at."""
+    old = publish(pod.store)
+    new_image = "registry.example/vllm:0.9.1@sha256:" + "cd" * 32
+    stamp = make_stamp(**{stamp_policy.ENGINE_IMAGE_FACTOR: new_image})
+    new = publish(pod.store, files={"cute-dsl/new.o": b"\x7fELF new"}, stamp=stamp)
+    assert old != new
+
+    for image, expected in ((IMAGE, old), (new_image, new)):
+        proc = pod.verify(*BY_KEY, "--expect-image", image)
+        assert proc.returncode == 0, proc.stderr
+        assert read_env(pod)["KERNELCACHE_DIR"] == str(pod.target / expected.name)
+        assert json.loads((pod.target / contract.REPORT_FILE).read_text())["generation"] == (
+            expected.name
+        )
+
+    other = "registry.example/vllm:0.9.2"
+    shutil.rmtree(pod.target)  # a new pod's emptyDir
+    pod.target.mkdir()
+    proc = pod.verify(*BY_KEY, "--expect-image", other)
+    pod.assert_refused(
+        proc,
+        ExitCode.STAMP_MISMATCH,
+        "extra/engine_image",
+        other,
+        f"none of the 1 generations kept besides CURRENT ({new.name})",
+    )
 
 
 def test_permissive_drops_the_tuning_of_another_product_and_starts(pod: Pod) -> None:

@@ -37,6 +37,7 @@ import pytest
 from tests.conftest import (
     REPO,
     needs_cute,
+    scaled,
     system_tool,
 )
 from tests.helpers.wheels import build_wheel
@@ -246,7 +247,7 @@ class World:
             cwd=cwd or self.work,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
         )
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -280,7 +281,7 @@ class World:
             ],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert proc.returncode == 0, proc.stderr
 
@@ -292,7 +293,7 @@ def _compile_c(compiler: str, source: str, out: Path, *flags: str) -> None:
         [compiler, "-x", "c", "-shared", "-fPIC", "-O1", str(src), "-o", str(out), *flags],
         check=True,
         capture_output=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     src.unlink()
 
@@ -402,7 +403,7 @@ def checker(world: World) -> Iterator[Callable[..., dict[str, Any]]]:
 
     yield ask
     proc.stdin.close()
-    proc.wait(timeout=60)
+    proc.wait(timeout=scaled(60))
 
 
 # --- changes -----------------------------------------------------------------------------
@@ -752,7 +753,7 @@ def test_permissive_serving_compiles_a_changed_kernel(world, tmp_path):
             cwd=world.work,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
         )
     assert proc.returncode == 0, proc.stderr
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -801,7 +802,7 @@ def test_a_library_lookup_by_ctypes_is_not_named_unobserved():
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
-        timeout=120,
+        timeout=scaled(120),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     after_lookup, after_spawn = json.loads(proc.stdout)

@@ -44,7 +44,7 @@ import pytest
 from kernelcache.errors import ExitCode
 from kernelcache.stamp import DEFAULT_DISTRIBUTIONS, TUNE_SCOPED
 from kernelcache.store import Store
-from tests.conftest import EXAMPLES, REPO, dsl_declared_settings, needs_cute, publish_files
+from tests.conftest import EXAMPLES, REPO, dsl_declared_settings, needs_cute, publish_files, scaled
 from tests.helpers.wheels import build_wheel, pip_install
 
 pytestmark = [pytest.mark.slow, needs_cute]
@@ -172,7 +172,7 @@ class Run:
                 stdin=stdin,
                 capture_output=True,
                 text=True,
-                timeout=300,
+                timeout=scaled(300),
             )
         finally:
             if self.tty_stdin:

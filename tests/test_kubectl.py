@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 from kernelcache.controller.kube import kernelcache_path  # noqa: E402
 from kernelcache.controller.manifests import LABEL_ARCH, peering_crds  # noqa: E402
+from tests.conftest import scaled  # noqa: E402
 from tests.helpers.operator_cluster import (  # noqa: E402
     EXAMPLE,
     NS,
@@ -44,7 +45,7 @@ def kubectl(tmp_path: Path, *args: str) -> str:
         [str(KUBECTL), "--cache-dir", str(tmp_path / "kube-cache"), *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0 and not proc.stderr, (args, proc.stdout, proc.stderr)
     return proc.stdout
@@ -100,7 +101,8 @@ def test_kubectl_apply_then_get_shows_the_printer_columns(
 def test_kubectl_get_during_a_change_shows_what_serves_beside_what_builds(
     bare_cluster: Cluster, tmp_path: Path
 ) -> None:
-    """A spec change rebuilds every arch while the previous generations still serve."""
+    """A spec change rebuilds every arch while the previous generations still serve; an
+    engine-image change serves pods of the new image nothing yet, and says so."""
     cluster = bare_cluster
     kubectl(tmp_path, "apply", "--validate=false", "-f", str(CRD))
     with operator(cluster):
@@ -108,14 +110,19 @@ def test_kubectl_get_during_a_change_shows_what_serves_beside_what_builds(
         for arch in ("sm_90a", "sm_120a"):
             cluster.finish(cluster.run("demo", arch), message=result_message(arch, f"g-{arch}"))
         wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
-        cluster.kube.patch(
-            kernelcache_path(NS, "demo"),
-            {"spec": {"engine": {"image": "ghcr.io/kernelcache/examples:0.2.0"}}},
-        )
+        cluster.kube.patch(kernelcache_path(NS, "demo"), {"spec": {"model": "example/other"}})
         wait_until(lambda: cluster.status("demo").get("observedGeneration") == 2, what="gen 2")
         rows = table(kubectl(tmp_path, "get", "kc", "demo"))
-        assert rows[1][:5] == ["demo", "example/elementwise-and-tiled", "2/2", "0/2", "Pending"]
+        assert rows[1][:5] == ["demo", "example/other", "2/2", "0/2", "Pending"]
         served = kubectl(
             tmp_path, "get", "kc", "demo", "-o", "jsonpath={.status.arches[*].generation}"
         )
         assert served.split() == ["g-sm_120a", "g-sm_90a"]
+
+        cluster.kube.patch(
+            kernelcache_path(NS, "demo"),
+            {"spec": {"engine": {"image": "ghcr.io/kernelcache/examples:0.2.0"}}},
+        )
+        wait_until(lambda: cluster.status("demo").get("observedGeneration") == 3, what="gen 3")
+        rows = table(kubectl(tmp_path, "get", "kc", "demo"))
+        assert rows[1][:5] == ["demo", "example/other", "0/2", "0/2", "Degraded"]

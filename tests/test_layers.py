@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import scaled
+
 REPO = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
@@ -18,7 +20,7 @@ def lint_imports(src: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(src)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
 
 

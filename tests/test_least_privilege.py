@@ -58,6 +58,7 @@ from tests.conftest import (
     kernelcache_doc,
     one_line_error,
     run_kernelcache,
+    scaled,
     subprocess_env,
     wait_until,
 )
@@ -305,7 +306,7 @@ def test_a_secret_made_from_keygen_output_signs_in_the_job_and_verifies_in_the_p
     (tmp_path / "kernelcache").mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "kernelcache", "verify", *args],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "verified" in done.stdout
@@ -360,7 +361,7 @@ def test_a_volume_that_ignores_fsgroup_is_named_and_fix_store_ownership_fixes_it
     if user is not None:
         as_job += [f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups"]
     argv = [*as_job, sys.executable, "-m", *local(warm["command"])]
-    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=scaled(120))
     assert refused.returncode == ExitCode.IO, refused.stderr
     line = one_line_error(refused)
     assert f"{store}/{NS}: EACCES" in line, line
@@ -375,13 +376,16 @@ def test_a_volume_that_ignores_fsgroup_is_named_and_fix_store_ownership_fixes_it
         owner_with_chown += [f"--reuid={export[0]}", f"--regid={export[1]}", "--clear-groups"]
         owner_with_chown += ["--ambient-caps=-all,+chown"]
     done = subprocess.run(
-        [*owner_with_chown, *local(init["command"])], capture_output=True, text=True, timeout=60
+        [*owner_with_chown, *local(init["command"])],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
     )
     assert done.returncode == 0, done.stderr
     for directory in (store / NS, store / NS / NAME):
         assert (directory.stat().st_uid, directory.stat().st_gid) == job
     assert (store.stat().st_uid, stat.S_IMODE(store.stat().st_mode)) == (export[0], 0o755)
-    warmed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    warmed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=scaled(120))
     assert warmed.returncode == 0, warmed.stderr
 
 
@@ -471,7 +475,7 @@ def in_read_only_world(
     if user is not None:
         drop += [f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups"]
     command = [*unshare(), "sh", "-c", READ_ONLY_WORLD, "sandbox", str(emptydir), *drop, *argv]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(120))
 
 
 def tree_state(root: Path) -> dict[str, tuple[Any, ...]]:

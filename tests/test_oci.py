@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from kernelcache.distribution.reference import Reference
 from kernelcache.distribution.registry import Client
 from kernelcache.errors import ExitCode
 from kernelcache.store import Store, generate_keypair, verify
-from tests.conftest import checked, one_line_error, run_kernelcache, subprocess_env
+from tests.conftest import checked, one_line_error, run_kernelcache, scaled, subprocess_env
 from tests.helpers.generations import COMPILED, KEY, PRODUCT, TUNING, publish
 from tests.helpers.registry import PASSWORD, USER, Registry, authfile, running_registry
 
@@ -210,12 +211,10 @@ class Pushed:
 
 
 def upload_bytes(client: Client, data: bytes) -> dict:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kc-test-{artifact.digest_of(data)[7:]}"
-    path.write_bytes(data)
-    try:
+    with tempfile.TemporaryDirectory() as tmp:  # its own: another test process may upload it too
+        path = Path(tmp) / "blob"
+        path.write_bytes(data)
         client.upload_blob(path, artifact.digest_of(data), len(data))
-    finally:
-        path.unlink()
     return {"digest": artifact.digest_of(data), "size": len(data)}
 
 
@@ -635,7 +634,7 @@ def test_a_pull_killed_midway_leaves_the_store_as_it_was(
     args = ["pull", pushed_once, "--store", str(tmp_path / "target"), *registry_flags(registry)]
     crashed = subprocess.run(
         [sys.executable, "-c", CRASHING_PULL, *args], env=subprocess_env(), capture_output=True,
-        text=True, timeout=300,
+        text=True, timeout=scaled(300),
     )  # fmt: skip
     assert crashed.returncode == 137, crashed.stderr
     store = Store(tmp_path / "target")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ from kernelcache.controller.manifests import (
     peering_crds,
 )
 from kernelcache.crd import crd_manifest
-from tests.conftest import scaled, wait_until
+from kernelcache.errors import ExitCode
+from tests.conftest import free_port, scaled, wait_until, warm_on_a_full_volume
 
 
 @pytest.fixture
@@ -208,6 +209,114 @@ def test_spec_change_starts_new_jobs_and_keeps_the_published_generation(cluster:
         wait_until(lambda: cluster.arch("demo", "sm_90a").get("generation") == "new-sm_90a")
 
 
+NODE_MAP = path("v1", "configmaps", NS, "kernelcache-nodes")
+GPU_LABELS = {"nvidia.com/gpu.compute.major": "9", "nvidia.com/gpu.compute.minor": "0"}
+
+
+def _node_map(cluster: Cluster) -> dict[str, str] | None:
+    """The namespace's node map as serving pods would mount it; None while it is missing."""
+    found = [
+        c
+        for c in cluster.kube.list(path("v1", "configmaps", NS))
+        if c["metadata"]["name"] == "kernelcache-nodes"
+    ]
+    return found[0].get("data") or {} if found else None
+
+
+def test_a_pruned_node_map_is_written_again_and_a_re_created_namespace_gets_one(
+    cluster: Cluster,
+) -> None:
+    """A GitOps prune deletes the node map; a namespace is emptied and filled again with the
+    same KernelCache. Either way the map is back, with the node in it, without a Node
+    changing or the operator restarting (until then every new pod's init-container there
+    fails: no node map)."""
+    cluster.kube.create(
+        path("v1", "nodes", None), {"metadata": {"name": "gpu-1", "labels": GPU_LABELS}}
+    )
+    with operator(cluster):
+        cluster.apply(example())
+        wait_until(lambda: "gpu-1" in (_node_map(cluster) or {}), what="the node map")
+
+        cluster.kube.delete(NODE_MAP)  # pruned
+        wait_until(lambda: "gpu-1" in (_node_map(cluster) or {}), what="the map written again")
+
+        # The namespace emptied: its last KernelCache goes, then the map (a namespace
+        # deletion); a node joining meanwhile writes no map where no KernelCache is.
+        cluster.kube.delete(kernelcache_path(NS, "demo"))
+        wait_until(lambda: not cluster.exists("demo"), what="the KernelCache to go")
+        cluster.kube.delete(NODE_MAP)
+        cluster.kube.create(
+            path("v1", "nodes", None), {"metadata": {"name": "gpu-2", "labels": GPU_LABELS}}
+        )
+        time.sleep(scaled(1.5))
+        assert _node_map(cluster) is None
+
+        cluster.apply(example())  # re-applied under the same name
+        wait_until(lambda: {"gpu-1", "gpu-2"} <= set(_node_map(cluster) or {}), what="a new map")
+
+
+def _configmaps(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in cluster.kube.list(path("v1", "configmaps", NS))}
+
+
+def test_the_operators_configmaps_pruned_under_it_are_written_again(cluster: Cluster) -> None:
+    """A GitOps prune deletes what the operator made and owns no manifest for: the spec
+    ConfigMap a waiting compile Job mounts (its pod could never start), and the published
+    record a re-created namesake and the webhook read. Each is back at the next resync,
+    as it was."""
+    with operator(cluster):
+        cluster.apply(example(gpuClasses=[example()["spec"]["gpuClasses"][0]]))
+        job = cluster.run("demo", "sm_90a")
+        volumes = job["spec"]["template"]["spec"]["volumes"]
+        (spec_map,) = [v["configMap"]["name"] for v in volumes if "configMap" in v]
+        before = wait_until(lambda: _configmaps(cluster).get(spec_map), what="the spec map")
+        cluster.kube.delete(path("v1", "configmaps", NS, spec_map))
+        again = wait_until(lambda: _configmaps(cluster).get(spec_map), what="it written again")
+        assert again["data"] == before["data"]
+
+        cluster.finish(job, message=result_message("sm_90a", "g1"))
+        record = "kc-demo-published"
+        before = wait_until(lambda: _configmaps(cluster).get(record), what="the record")
+        assert "g1" in before["data"]["published.json"]
+        cluster.kube.delete(path("v1", "configmaps", NS, record))
+        again = wait_until(lambda: _configmaps(cluster).get(record), what="it written again")
+        assert again["data"] == before["data"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sh", "-c", "dd if=/dev/zero of=$TRITON_CACHE_DIR/k.bin bs=1k count=4096"],
+        [
+            sys.executable,
+            "-c",
+            "import os; open(os.environ['TRITON_CACHE_DIR'] + '/k', 'wb').write(bytes(4 << 20))",
+        ],
+    ],
+    ids=["dd", "python"],
+)
+def test_a_warmer_that_fills_the_volume_is_named_a_full_volume_in_status(
+    cluster: Cluster, tmp_path: Path, command: list[str]
+) -> None:
+    """A full volume, not "sh exited with 1": the warm classifies it (exit 10, the I/O
+    class, its line saying no space is left) and the operator shows that line in the arch's
+    status and the CompileFailed event."""
+    code, message, _ = warm_on_a_full_volume(tmp_path, command)
+    assert code == ExitCode.IO, message
+    result = json.loads(message)
+    assert result["exit_code"] == ExitCode.IO and result["status"] == "failed"
+    assert "No space left on device" in result["message"], result
+    assert result["message"].startswith(f"command warmer: {command[0]} exited with 1 for sm_90a")
+    with operator(cluster):
+        cluster.apply(example(gpuClasses=[example()["spec"]["gpuClasses"][0]]))
+        for _ in range(2):  # both attempts: the volume stays full
+            cluster.finish(cluster.run("demo", "sm_90a"), failed=True, message=message)
+            failed = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Failed")
+        assert "No space left on device" in failed["message"], failed
+        events = [e for e in cluster.events("demo") if e["reason"] == "CompileFailed"]
+        assert events and "No space left on device" in events[-1]["message"]
+
+
 def test_delete_removes_jobs_and_the_finalizer(cluster: Cluster) -> None:
     with operator(cluster):
         cluster.apply(example())
@@ -308,11 +417,9 @@ def test_two_replicas_only_one_reconciles(cluster: Cluster) -> None:
         assert {e["reportingInstance"] for e in cluster.events("two")} == {"replica-a"}
 
 
-def test_kernelcache_operator_command_serves_liveness_and_metrics(
-    cluster: Cluster, unused_tcp_port_factory: Callable[[], int]
-) -> None:
+def test_kernelcache_operator_command_serves_liveness_and_metrics(cluster: Cluster) -> None:
     """The shipped entry point, as a process configured by environment alone."""
-    liveness, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    liveness, metrics_port = free_port(), free_port()
     env = {
         **os.environ,
         "KERNELCACHE_OPERATOR_LIVENESS": f"http://127.0.0.1:{liveness}/healthz",
@@ -382,7 +489,11 @@ def test_a_reverted_spec_runs_a_job_that_makes_its_generation_current_again(
         time.sleep(1.5)  # a few resyncs: A's old result is not read back
         reverted = cluster.arch("demo", arch)
         assert (reverted["phase"], reverted["generation"]) == ("Pending", "gen-b"), reverted
-        assert cluster.status("demo")["servingArches"] == "1/1"
+        # Published for A is nothing status knows of until the revert's Job re-points it (a
+        # pod on A may still load A's generation, which the store keeps: verify looks).
+        assert cluster.status("demo")["servingArches"] == "0/1"
+        degraded = next(c for c in cluster.status("demo")["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "ImageNotPublished" and image_a in degraded["message"]
     # An operator restart before the revert's Job ends creates it no second time.
     with operator(cluster, instance="replica-restarted"):
         time.sleep(1.5)

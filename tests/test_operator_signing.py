@@ -42,7 +42,7 @@ from kernelcache.store import (
     load_private_key,
     load_public_key,
 )
-from tests.conftest import subprocess_env, wait_until
+from tests.conftest import scaled, subprocess_env, wait_until
 from tests.helpers.trust import KERNEL, forge, warmer
 
 ARCH = "sm_90a"
@@ -111,7 +111,7 @@ class Kubelet:
             env=subprocess_env(KC_TEST_RUNS=str(self.runs)),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         log = mounts["/dev/termination-log"]
         message = log.read_text() if log.exists() else proc.stderr[-4000:]
@@ -269,9 +269,9 @@ def test_key_rotation_through_the_operator_keeps_pods_starting_with_no_compile(
 def test_signing_status_is_pure_and_keeps_its_transition_times(tmp_path: Path) -> None:
     """``SignatureTrusted`` from the Secret's data and the arches' ``signedBy``: no public
     key, an unusable one, a foreign signer; an unchanged status keeps its times."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timezone
 
-    from kernelcache.controller import signing
+    from kernelcache.controller import signing, state
 
     kc = parse_kernelcache(signed_demo("v1"), "demo")
     priv, pub = generate_keypair(tmp_path / "k")
@@ -280,32 +280,41 @@ def test_signing_status_is_pure_and_keeps_its_transition_times(tmp_path: Path) -
         SIGNING_KEY_FILE: base64.b64encode(priv.read_bytes()).decode(),
         PUBLIC_KEY_FILE: base64.b64encode(pub.read_bytes()).decode(),
     }
-    arch = {"arch": ARCH, "phase": "Ready", "generation": "g1", "signedBy": fp}
-    ready = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}
-    status = {"arches": [arch], "conditions": [ready]}
+    arch = {"arch": ARCH, "phase": "Ready", "generation": "g1", "signedBy": fp, "message": "ok"}
     now = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
-    held = signing.with_trust(kc, status, data, {}, now)
-    (trusted,) = [c for c in held["conditions"] if c["type"] == signing.CONDITION]
+    def summarized(
+        kc: Any, arch: dict[str, Any], data: Any, previous: dict[str, Any]
+    ) -> dict[str, Any]:
+        trust = signing.trust_condition(kc, [arch], data)
+        checks = [trust] if trust is not None else []
+        return state.summarize([state.ArchPlan(arch)], 1, previous, now, checks=checks)
+
+    def kinds(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {c["type"]: c for c in status["conditions"]}
+
+    held = summarized(kc, arch, data, {})
+    trusted = kinds(held)[signing.CONDITION]
     assert trusted["status"] == "True" and trusted["message"] == f"pods trust {fp}"
-    again = signing.with_trust(kc, status, data, held, now + timedelta(hours=1))
-    assert again == held  # nothing changed: nothing to write
+    assert held["phase"] == "Ready"
+    assert summarized(kc, arch, data, held) == held  # nothing changed: nothing to write
 
     foreign = {**arch, "signedBy": "ed25519:" + "0" * 16}
-    refused = signing.with_trust(kc, {**status, "arches": [foreign]}, data, held, now)
-    kinds = {c["type"]: c for c in refused["conditions"]}
-    assert kinds[signing.CONDITION]["reason"] == "SignedByAnotherKey"
-    assert "would refuse" in kinds[signing.CONDITION]["message"]
-    assert kinds["Ready"]["status"] == "False" and signing.stale(foreign, data)
+    refused = summarized(kc, foreign, data, held)
+    found = kinds(refused)
+    assert found[signing.CONDITION]["reason"] == "SignedByAnotherKey"
+    assert "would refuse" in found[signing.CONDITION]["message"]
+    assert found["Ready"]["status"] == "False" and found["Degraded"]["status"] == "True"
+    assert refused["phase"] == "Degraded"  # not Ready while pods would refuse it
+    assert signing.stale(foreign, data)
     assert not signing.stale(arch, data)
 
-    for broken, reason in (({}, "NoPublicKey"), ({PUBLIC_KEY_FILE: "bm90IGEga2V5"}, "NoPublicKey")):
-        (c,) = [
-            c
-            for c in signing.with_trust(kc, status, broken, {}, now)["conditions"]
-            if c["type"] == signing.CONDITION
-        ]
-        assert (c["status"], c["reason"]) == ("False", reason)
+    for broken in ({}, {PUBLIC_KEY_FILE: "bm90IGEga2V5"}):  # the Secret gone; a bad key
+        status = summarized(kc, arch, broken, {})
+        c = kinds(status)[signing.CONDITION]
+        assert (c["status"], c["reason"]) == ("False", "NoPublicKey")
+        assert kinds(status)["Ready"]["reason"] == "NoPublicKey"
+        assert status["phase"] == "Degraded"
     unsigned = parse_kernelcache(example(name="plain"), "plain")
-    assert signing.with_trust(unsigned, status, None, {}, now) == status
+    assert signing.trust_condition(unsigned, [arch], None) is None
     assert signing.job_identity(data) != signing.job_identity({**data, "x": "y"})

@@ -287,7 +287,118 @@ def test_the_last_attempt_failing_gives_up() -> None:
     ],
 )
 def test_overall_phase(phases: list[str], overall: str) -> None:
-    assert state.overall_phase(phases) == overall
+    plans = [
+        arch_plan(f"sm_{90 + i}a", p, progressing=p in ("Pending", "Compiling"))
+        for i, p in enumerate(phases)
+    ]
+    assert state.summarize(plans, 1, {}, NOW)["phase"] == overall
+
+
+CONDITION_REASONS = {
+    "Ready": ("ArchesReady", "ArchesNotReady", "NoPublicKey", "InvalidSpec"),
+    "Progressing": ("Compiling", "Pending", "Idle", "InvalidSpec"),
+    "Degraded": (
+        "NoFailures", "CompileFailed", "AllArchesFailed", "JobCannotStart", "InvalidSpec",
+        "ImageNotPublished", "SignedByAnotherKey",
+    ),
+}  # fmt: skip
+
+
+def _every_condition(kind: str) -> list[dict[str, Any] | None]:
+    found: list[dict[str, Any] | None] = [None]  # absent: a status an older operator wrote
+    for status in ("True", "False", "Unknown"):
+        found += [{"type": kind, "status": status, "reason": r} for r in CONDITION_REASONS[kind]]
+    return found
+
+
+def test_every_combination_of_conditions_gives_a_consistent_phase() -> None:
+    """The phase is read from the conditions alone and never contradicts one of them."""
+    seen = set()
+    for ready in _every_condition("Ready"):
+        for progressing in _every_condition("Progressing"):
+            for degraded in _every_condition("Degraded"):
+                conditions = [c for c in (ready, progressing, degraded) if c is not None]
+                phase = state.phase_of(conditions)
+                seen.add(phase)
+                holds = {c["type"] for c in conditions if c["status"] == "True"}
+                assert (phase == "Ready") == ({"Ready"} <= holds and "Degraded" not in holds)
+                assert (phase in ("Degraded", "Failed")) == ("Degraded" in holds)
+                if phase == "Failed":
+                    assert degraded and degraded["reason"] in state.FAILED_REASONS
+                if phase == "Compiling":
+                    assert "Progressing" in holds
+    assert seen == {"Ready", "Degraded", "Failed", "Compiling", "Pending"}
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+@pytest.mark.parametrize("stuck", [True, False])
+@pytest.mark.parametrize(
+    "phases",
+    [[a, b] for a in ("Pending", "Compiling", "Ready", "Failed") for b in ("Ready", "Failed")],
+)
+def test_every_status_summarized_has_the_phase_of_its_conditions(
+    phases: list[str], stuck: bool, trusted: bool
+) -> None:
+    """Whatever the arches and the checks, the written phase is the conditions' phase: Ready
+    only with every arch Ready and every check holding (a missing signing key made a status
+    say Ready beside a False Ready condition)."""
+    plans = [
+        state.ArchPlan(
+            {"arch": f"sm_{90 + i}a", "phase": p, "message": p},
+            progressing=p in ("Pending", "Compiling"),
+            warning=state.CANNOT_START if stuck and p == "Pending" else None,
+        )
+        for i, p in enumerate(phases)
+    ]
+    check = ("SignatureTrusted", trusted, "SignedByTrustedKey" if trusted else "NoPublicKey", "k")
+    status = state.summarize(plans, 1, {}, NOW, checks=[check])
+    found = conditions(status)
+    assert status["phase"] == state.phase_of(status["conditions"])
+    ready = all(p == "Ready" for p in phases) and trusted
+    assert (status["phase"] == "Ready") == ready == (found["Ready"]["status"] == "True")
+    assert (found["Degraded"]["status"] == "True") == (status["phase"] in ("Degraded", "Failed"))
+
+
+def test_a_new_image_building_says_which_pods_are_refused_and_serves_the_old() -> None:
+    """While spec.engine.image moves from 0.1 to 0.2, the arch still publishes 0.1's
+    generation: pods on 0.1 load it, pods on 0.2 are refused until 0.2's publishes. Status
+    says so (serving 0/1, Degraded, a Warning event); once it publishes, all is well."""
+    old, new = "ghcr.io/x/engine:0.1", "ghcr.io/x/engine:0.2"
+    built = {"arch": "sm_90a", "phase": "Ready", "generation": "g-old", "engineImage": old}
+    ready = state.summarize(
+        [state.ArchPlan({**built, "message": "published"})], 1, {}, NOW, image=old
+    )
+    assert ready["phase"] == "Ready" and ready["servingArches"] == "1/1"
+
+    building = {**built, "phase": "Compiling", "message": "Job kc-new is compiling"}
+    status = state.summarize([state.ArchPlan(building, progressing=True)], 2, ready, NOW, image=new)
+    found = conditions(status)
+    assert status["phase"] == "Degraded" and status["servingArches"] == "0/1"
+    assert found["Degraded"]["reason"] == state.IMAGE_NOT_PUBLISHED
+    assert found["Degraded"]["message"] == (
+        f"sm_90a: pods on {new} are refused until its generation publishes, unless the store "
+        f"still keeps one built for it; pods on {old} load generation g-old"
+    )
+    (warning,) = [e for e in state.transitions(ready, status) if e.type == "Warning"]
+    assert warning.reason == state.IMAGE_NOT_PUBLISHED and new in warning.message
+    assert state.serves_image(building, old) and not state.serves_image(building, new)
+    # The same image under another spelling is the same image.
+    assert state.serves_image(building, "ghcr.io/x/engine:0.1")
+
+    published = {**built, "generation": "g-new", "engineImage": new, "message": "published"}
+    done = state.summarize([state.ArchPlan(published)], 2, status, NOW, image=new)
+    assert done["phase"] == "Ready" and done["servingArches"] == "1/1"
+
+
+def test_a_succeeded_job_records_the_image_its_generation_was_built_for() -> None:
+    finished = job(complete=True)
+    finished["spec"] = {
+        "template": {"spec": {"containers": [{"name": "warm", "image": "ghcr.io/x/e:1"}]}}
+    }
+    result = {"status": "published", "generation": "g1", "stamp": "blake3:" + "ab" * 32}
+    plan = state.plan_arch("sm_90a", [finished], None, True, result, POLICY, NOW)
+    assert plan.status["engineImage"] == "ghcr.io/x/e:1"
+    assert state.published({"arches": [plan.status]})["sm_90a"]["engineImage"] == "ghcr.io/x/e:1"
 
 
 def arch_plan(arch: str, phase: str, progressing: bool = False) -> state.ArchPlan:
@@ -319,7 +430,7 @@ def test_summarize_counts_ready_arches_and_sets_conditions() -> None:
     assert conditions(failed)["Degraded"] == {
         "type": "Degraded",
         "status": "True",
-        "reason": "CompileFailed",
+        "reason": "AllArchesFailed",
         "message": "sm_90a: sm_90a is Failed",
         "lastTransitionTime": state.format_time(NOW),
         "observedGeneration": 3,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +32,10 @@ from tests.conftest import (
     REPO,
     SMALL_WORKLOAD,
     DemoBuild,
+    free_port,
     kernelcache_doc,
     needs_cute,
+    scaled,
     subprocess_env,
     system_tool,
 )
@@ -71,12 +72,6 @@ def serving(**env: str) -> Iterator[int]:
         proc.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def api(port: int, path: str, **params: str) -> Any:
     url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -110,7 +105,7 @@ def prometheus(tmp: Path, targets: dict[str, int]) -> Iterator[int]:
         yield port
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 def wait_for(what: str, check: Any, log: Path) -> Any:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -38,8 +37,10 @@ from tests.conftest import (
     REPO,
     SMALL_WORKLOAD,
     DemoBuild,
+    free_port,
     needs_cute,
     publish_files,
+    scaled,
     serve_python,
     subprocess_env,
     system_tool,
@@ -170,12 +171,6 @@ def make_generation(root: Path, files: dict[str, bytes], **factors: str) -> Path
     return generation
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- configuration
 
 
@@ -227,7 +222,7 @@ def test_install_points_unset_cache_variables_and_disables_jit_only_with_aot(
             ),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
         )
         assert proc.returncode == 0, proc.stderr
         assert "imported before" not in proc.stderr  # installed first: nothing to warn of
@@ -267,7 +262,7 @@ def test_install_after_importing_inductor_still_serves_inductor_from_the_generat
             env=environment,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert proc.returncode == 0, proc.stderr
         # what cannot be mended any more is said: the compile-worker count was read at import
@@ -295,7 +290,7 @@ def test_the_init_containers_env_file_names_the_generation(tmp_path):
             env=subprocess_env(**env),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
         )
 
     proc = run(KERNELCACHE_ENV_FILE=str(env_file))
@@ -319,7 +314,7 @@ def test_flashinfer_finds_its_aot_modules_in_the_generation(tmp_path):
         env=subprocess_env(KERNELCACHE_DIR=str(generation)),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(generation / "files/flashinfer/aot/decode/decode.so")
@@ -462,7 +457,7 @@ def test_metrics_endpoint_serves_every_series_with_its_labels(cute_generation, t
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             samples = parse(response.read().decode())
     finally:
-        proc.communicate(input="", timeout=60)
+        proc.communicate(input="", timeout=scaled(60))
     assert (
         samples[
             (
@@ -673,14 +668,14 @@ def test_a_triton_compile_in_another_process_sharing_the_cache_is_counted_once(t
             env=helper_env(TRITON_CACHE_DIR=str(cache)),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert elsewhere.returncode == 0, elsewhere.stderr
         wait_until(lambda: kernels(scrape(), "triton").get("vector_add") == 2, timeout=30)
         time.sleep(0.5)  # ten more polls: nothing is counted twice
         samples = scrape()
     finally:
-        _, stderr = proc.communicate(input="", timeout=60)
+        _, stderr = proc.communicate(input="", timeout=scaled(60))
     assert kernels(samples, "triton") == {"vector_add": 2}
     assert total(samples, "kernelcache_compile_seconds_count", toolchain="triton") == 1
     assert "cold compile in another process sharing the cache: triton kernel vector_add" in stderr
@@ -717,7 +712,7 @@ def test_processes_started_by_a_serving_process_read_the_relocated_triton_cache(
             env=helper_env(KERNELCACHE_DIR=str(generation)),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert proc.returncode == 0, proc.stderr
         recompiled = group.read_bytes() != written  # rewritten with this copy's paths
@@ -777,7 +772,7 @@ def test_install_tails_the_build_log_named_in_the_environment(tmp_path):
         env=subprocess_env(FLASHINFER_JIT_BUILD_LOG=str(log), KERNELCACHE_POLL_S="0.05"),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert proc.returncode == 0, proc.stderr
     assert kernels(parse(proc.stdout), "flashinfer") == {"page_prefill": 1}

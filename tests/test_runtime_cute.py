@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DEMO_WORKLOAD as WORKLOAD
-from tests.conftest import EXAMPLES, needs_cute, serve_python, subprocess_env
+from tests.conftest import EXAMPLES, needs_cute, scaled, serve_python, subprocess_env
 
 pytestmark = needs_cute
 
@@ -27,7 +27,7 @@ def serve(cache: Path, arch: str = "sm_90a", script: Path = EXAMPLES / "demo_ser
         script,
         "--workload",
         json.dumps(WORKLOAD),
-        timeout=300,
+        timeout=scaled(300),
         **{"KERNELCACHE_CUTE_DSL_DIR": str(cache), "CUTE_DSL_ARCH": arch, **env},
     )
     match = re.search(r"(\d+) loaded from cache, (\d+) compiled", proc.stdout)
@@ -100,7 +100,7 @@ def test_concurrent_processes_share_one_directory(tmp_path):
         for _ in range(3)
     ]
     for proc in procs:
-        proc.communicate(timeout=300)
+        proc.communicate(timeout=scaled(300))
         assert proc.returncode in (0, 1)
     assert len(list(tmp_path.glob("*.o"))) == KERNELS
     assert not list(tmp_path.glob(".tmp-*"))
@@ -214,7 +214,7 @@ def test_a_hopper_tma_wgmma_gemm_is_exported_and_loaded_with_zero_compiles(tmp_p
             ),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert proc.returncode == 0, proc.stderr
         names, hits, misses = json.loads(proc.stdout.strip().splitlines()[-1])

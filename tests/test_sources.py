@@ -23,7 +23,7 @@ from kernelcache.sources import ABSENT, SourceError, module_sources
 from kernelcache.stamp import file_digest
 from kernelcache.store import Store
 from kernelcache.toolchains.base import entry_point_sources
-from tests.conftest import EXAMPLES, needs_cute, subprocess_env
+from tests.conftest import EXAMPLES, needs_cute, scaled, subprocess_env
 from tests.conftest import run_kernelcache as kernelcache
 from tests.helpers.wheels import build_wheel, pip_install
 
@@ -94,7 +94,7 @@ def test_a_changed_helper_module_is_a_new_generation_and_refused_in_serving(tmp_
         ),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert served.returncode != 0, served.stdout
     assert "no kernel compiled from this IR" in served.stderr, served.stderr

@@ -15,6 +15,7 @@ import yaml
 from kernelcache.crd import API_DOCS_PATH, CRD_PATH, api_reference, crd_manifest, crd_yaml, main
 from kernelcache.errors import ExitCode, SpecError
 from kernelcache.spec import KernelCache, load_kernelcache, parse_kernelcache
+from tests.conftest import scaled
 
 from .conftest import subprocess_env
 
@@ -342,7 +343,7 @@ def test_crd_module_runs_as_make_crds_runs_it(tmp_path: Path):
     for flags, committed in (([], COMMITTED_CRD), (["--api-docs"], ROOT / API_DOCS_PATH)):
         proc = subprocess.run(
             [sys.executable, "-m", "kernelcache.crd", *flags],
-            env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+            env=subprocess_env(), capture_output=True, text=True, timeout=scaled(120), check=False,
         )  # fmt: skip
         assert (proc.returncode, proc.stderr) == (0, "")
         assert proc.stdout == committed.read_text()
@@ -350,7 +351,7 @@ def test_crd_module_runs_as_make_crds_runs_it(tmp_path: Path):
     stale.write_text("# stale\n")
     proc = subprocess.run(
         [sys.executable, "-m", "kernelcache.crd", "--api-docs", "--check", str(stale)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(120), check=False,
     )  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr == (

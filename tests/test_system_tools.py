@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import conftest
-from tests.conftest import REPO
+from tests.conftest import REPO, scaled
 
 SCRIPT = REPO / "scripts" / "install-system-tools.sh"
 BASICS = ("bash", "id", "sort", "tr", "sed", "chmod")
@@ -70,7 +70,7 @@ def run(bin_dir: Path, **env: str) -> subprocess.CompletedProcess:
         env={"PATH": str(bin_dir), **env},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
 
 
@@ -115,7 +115,7 @@ def test_as_root_missing_programs_are_installed_with_apt_get(tmp_path: Path) -> 
 def test_the_readme_test_command_runs_the_script_before_pytest() -> None:
     dry = subprocess.run(
         ["make", "-n", "-W", ".venv/.installed-test", "test"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
     lines = dry.stdout.splitlines()
     script = next(i for i, line in enumerate(lines) if "install-system-tools.sh" in line)

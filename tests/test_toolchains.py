@@ -18,7 +18,7 @@ from kernelcache.spec import Warmer as WarmerSpec
 from kernelcache.store import Store
 from kernelcache.toolchains.base import Toolchain
 from kernelcache.toolchains.flashinfer import BuildLogTail
-from tests.conftest import subprocess_env
+from tests.conftest import scaled, subprocess_env
 
 HEAVY = ("torch", "cutlass", "triton", "flashinfer", "tvm_ffi", "numpy", "vllm", "pydantic")
 
@@ -107,7 +107,7 @@ def test_the_serving_side_imports_no_compiler_and_nothing_of_the_build_side():
     env = subprocess_env()
     env.pop("KERNELCACHE_DIR", None)
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=scaled(120)
     )
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout)
@@ -141,7 +141,11 @@ def test_install_sets_the_flashinfer_arch_list_the_warm_recorded(tmp_path):
         env = subprocess_env(KERNELCACHE_DIR=str(directory), KERNELCACHE_ARCH="sm_120a")
         env.pop("FLASHINFER_CUDA_ARCH_LIST", None)
         proc = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
         )
         assert proc.returncode == 0, proc.stderr
         return dict(json.loads(proc.stdout))
@@ -183,3 +187,25 @@ def test_a_tree_read_in_place_is_its_toolchains_alone_and_placed_by_none() -> No
     assert toolchains.in_place_dirs() == {sub for t in readers for sub in t.cache_env.values()}
     # Checked against what each library does on a read-only, noexec tree (docs/distribution.md):
     assert [t.name for t in readers] == ["cute-dsl"]
+
+
+def test_a_warm_failure_caused_by_a_full_disk_is_named_so(tmp_path: Path) -> None:
+    """ENOSPC (or a quota) anywhere in a warmer's failure, or in its output: a full volume."""
+    import errno
+
+    from kernelcache.errors import WarmError
+    from kernelcache.toolchains.base import volume_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "k.bin"))
+        except OSError as exc:
+            raise WarmError("cute-dsl entry point m:f failed for sm_90a: OSError") from exc
+    except WarmError as failed:
+        said = volume_full(failed, tmp_path)
+    assert said == f"no space left writing {tmp_path / 'k.bin'} (ENOSPC: No space left on device)"
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert "EDQUOT" in (volume_full(quota, tmp_path) or "")
+    assert volume_full(WarmError("sh exited with 1"), tmp_path) is None  # a disk with room
+    line = "cp: error writing 'x': No space left on device"
+    assert line in (volume_full(WarmError("sh exited with 1"), tmp_path, line) or "")

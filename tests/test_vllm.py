@@ -29,7 +29,7 @@ from kernelcache import stamp as stamps
 from kernelcache.errors import SpecError
 from kernelcache.spec import parse_kernelcache
 from kernelcache.store import Store
-from tests.conftest import publish_files, run_kernelcache
+from tests.conftest import publish_files, run_kernelcache, scaled
 from tests.helpers.generations import make_stamp
 from tests.helpers.vllm import (
     ARCH,
@@ -135,7 +135,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     proc = subprocess.run(
         [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
          "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, kernelcache_doc, subprocess_env
+from tests.conftest import REPO, kernelcache_doc, scaled, subprocess_env
 from tests.helpers.vllm import ARCH, drive, runtime_hook, save_random_weights, verify
 
 pytestmark = [
@@ -97,7 +97,7 @@ def built(request, tmp_path_factory) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
          "--store", str(store)],
-        env=engine_env(config), capture_output=True, text=True, timeout=1800,
+        env=engine_env(config), capture_output=True, text=True, timeout=scaled(1800),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))

@@ -24,6 +24,7 @@ import yaml
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode
 from kernelcache.spec import B12xWorkload
+from tests.conftest import scaled
 
 from .conftest import (
     kernelcache_doc,
@@ -218,7 +219,7 @@ print(json.dumps(names))
         FLASHINFER_WORKSPACE_BASE=str(tmp_path),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = json.loads(proc.stdout.splitlines()[-1])
@@ -308,7 +309,7 @@ except WarmError as exc:
         env=subprocess_env(CUTE_DIR=str(tmp_path), CUTE_DSL_ARCH=ARCH),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "b12x warmer:" in proc.stdout and "a compile worker died" in proc.stdout

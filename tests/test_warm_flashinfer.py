@@ -30,7 +30,7 @@ from kernelcache.toolchains.flashinfer import (
     serving_env,
     tactics_file,
 )
-from tests.conftest import EXAMPLES, subprocess_env
+from tests.conftest import EXAMPLES, scaled, subprocess_env
 from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -91,7 +91,7 @@ def python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
         env=subprocess_env(**env),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=scaled(900),
     )
 
 
@@ -518,7 +518,7 @@ def test_gpu_decode_module_built_once_then_served_from_aot_with_jit_disabled(tmp
     main = subprocess.run(
         [sys.executable, str(EXAMPLES / "flashinfer_ops.py"), "--files", str(files),
          "--arch", arch, "--workload", json.dumps(DECODE_WORKLOAD)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
+        env=subprocess_env(), capture_output=True, text=True, timeout=scaled(600),
     )  # fmt: skip
     assert main.returncode == 0, main.stdout + main.stderr[-3000:]
     assert "0 compiled" in main.stdout

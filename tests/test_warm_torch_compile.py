@@ -20,7 +20,7 @@ import pytest
 from kernelcache.errors import ExitCode
 from kernelcache.store import Manifest, Store, materialize, verify
 from kernelcache.toolchains.inductor import MAX_REPLAYS
-from tests.conftest import EXAMPLES, serve_python, subprocess_env, write_warmer_spec
+from tests.conftest import EXAMPLES, scaled, serve_python, subprocess_env, write_warmer_spec
 from tests.conftest import run_kernelcache as kernelcache
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -80,7 +80,7 @@ def serve(cache_dir: Path, workload: dict[str, Any], megacache: Path | None) -> 
 
 
 def counters_of(proc: subprocess.Popen) -> tuple[int, dict[str, Any]]:
-    stdout, stderr = proc.communicate(timeout=600)
+    stdout, stderr = proc.communicate(timeout=scaled(600))
     lines = stdout.strip().splitlines()
     assert lines, stderr
     return proc.returncode, json.loads(lines[-1])

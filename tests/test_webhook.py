@@ -401,6 +401,29 @@ def test_image_mismatch_is_admitted_with_a_warning_under_warn() -> None:
     assert "examples:0.2.0" in warning and "warn" in warning
 
 
+def test_during_an_image_change_pods_on_the_still_published_image_are_admitted() -> None:
+    """spec.engine.image moved to 0.2.0 while each arch still publishes 0.1.0's generation: a
+    rollout's pods on 0.1.0 keep starting, told to load the generation built for 0.1.0; pods
+    on 0.2.0 are told to load 0.2.0's (refused until it publishes); any other image is denied,
+    naming both."""
+    old, new = IMAGE, "ghcr.io/kernelcache/examples:0.2.0"
+    kc = kernelcache(engine={"image": new})
+    kc["status"]["arches"] = [
+        {"arch": "sm_90a", "phase": "Compiling", "generation": "g1", "engineImage": old},
+        {"arch": "sm_120a", "phase": "Pending"},  # never published: admits nothing more
+    ]
+    for runs in (old, new):
+        init = mutated(the_pod(image=runs), kc)["spec"]["initContainers"][0]
+        assert init["args"][init["args"].index("--expect-image") + 1] == runs
+    with pytest.raises(Denied) as denied:
+        mutate_pod(the_pod(image="ghcr.io/kernelcache/examples:0.3.0"), kc, CONFIG)
+    assert new in str(denied.value) and f"until that one publishes, '{old}'" in str(denied.value)
+    # Once 0.2.0's generation publishes, a pod on 0.1.0 is another image again.
+    kc["status"]["arches"][0].update(generation="g2", engineImage=new)
+    with pytest.raises(Denied):
+        mutate_pod(the_pod(image=old), kc, CONFIG)
+
+
 @pytest.mark.parametrize(
     ("cached", "runs"),
     [

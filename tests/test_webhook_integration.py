@@ -10,13 +10,18 @@ operator's ``inject`` handler as it would through a MutatingWebhookConfiguration
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 # First: it sets the operator's environment, which kernelcache.controller.main reads on import.
 from tests.helpers.operator_cluster import (
@@ -26,6 +31,7 @@ from tests.helpers.operator_cluster import (
     example,
     kubernetes,
     operator,
+    result_message,
     wait_until,
 )
 
@@ -33,8 +39,13 @@ from tests.helpers.operator_cluster import (
 import kopf
 
 from kernelcache.controller import main, webhook
+from kernelcache.controller.kube import kernelcache_path, path
 from kernelcache.controller.manifests import peering_crds
 from kernelcache.crd import crd_manifest
+from kernelcache.stamp_policy import ENGINE_IMAGE_FACTOR
+from tests.conftest import free_port, run_kernelcache, scaled
+from tests.helpers.chart import CHART, HELM
+from tests.helpers.generations import ARCH, make_stamp, publish
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
 
@@ -48,12 +59,6 @@ def _serve_admission_over_http(settings: kopf.OperatorSettings, **_: Any) -> Non
     server = _SERVER.get("server")
     if server is not None:
         settings.admission.server = server
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -100,7 +105,7 @@ def serving_pod(name: str, cache: str = "demo") -> dict[str, Any]:
 def test_pods_created_through_the_api_are_injected_once_or_refused(
     cluster: Cluster, pods: Any
 ) -> None:
-    port = _free_port()
+    port = free_port()
     _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
     try:
         with operator(cluster):
@@ -154,5 +159,183 @@ def test_pods_created_through_the_api_are_injected_once_or_refused(
                 pods.create_namespaced_pod(NS, again)
             )
             assert readmitted["spec"] == spec
+    finally:
+        _SERVER.clear()
+
+
+def _verify_as_injected(init: dict[str, Any], store: Path, tmp: Path, arch: str) -> tuple[int, str]:
+    """Run the injected init-container's command as the kubelet would, its volumes at local
+    paths (the claim at ``store``, a fresh emptyDir, the node's arch given for the node map):
+    its exit code and termination message."""
+    args = list(init["args"])
+    local = {"--store": str(store), "--materialize": str(tmp / "emptydir")}
+    local["--termination-log"] = str(tmp / "termination-log")
+    for option, value in local.items():
+        args[args.index(option) + 1] = value
+    at = args.index("--node-map")
+    args[at : at + 2] = ["--arch", arch, "--gpu-product", "NVIDIA H200"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "emptydir").mkdir(parents=True)
+    proc = run_kernelcache(*init["command"][1:], *args)
+    said = (tmp / "termination-log").read_text().strip() if proc.returncode else ""
+    return proc.returncode, said
+
+
+def test_an_engine_image_change_serves_the_old_image_and_says_which_pods_are_refused(
+    cluster: Cluster, pods: Any, tmp_path: Path
+) -> None:
+    """spec.engine.image moves from 0.1.0 to 0.2.0 while a Deployment rolls: until 0.2.0's
+    generation publishes, a new pod on 0.1.0 is admitted and its init-container loads 0.1.0's
+    generation; a pod on 0.2.0 is admitted and refused by its init-container (exit 4, naming
+    the image); status and a Warning event say so. Once 0.2.0's publishes, 0.2.0's pods start,
+    and a 0.1.0 pod admitted just before still loads the kept 0.1.0 generation."""
+    old, new = IMAGE, "ghcr.io/kernelcache/examples:0.2.0"
+    store = tmp_path / "store"
+
+    def published(image: str, files: dict[str, bytes]) -> str:
+        stamp = make_stamp(**{ENGINE_IMAGE_FACTOR: image, "arch": ARCH})
+        return publish(store, f"{NS}/demo/{ARCH}", files, stamp).name
+
+    def admitted(name: str, image: str) -> dict[str, Any]:
+        body = serving_pod(name)
+        body["spec"]["containers"][0]["image"] = image
+        created = pods.api_client.sanitize_for_serialization(pods.create_namespaced_pod(NS, body))
+        (init,) = created["spec"]["initContainers"]
+        return dict(init)
+
+    def degraded() -> dict[str, Any]:
+        found = cluster.status("demo").get("conditions") or []
+        return next((c for c in found if c["type"] == "Degraded"), {})
+
+    port = free_port()
+    _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    one_class = [example()["spec"]["gpuClasses"][0]]
+    assert one_class[0]["arch"] == ARCH
+    try:
+        with operator(cluster):
+            wait_until(lambda: _listening(port), what="the operator's webhook server")
+            cluster.emulator.pod_webhook = f"http://127.0.0.1:{port}/inject"
+            cluster.apply(example(gpuClasses=one_class))
+            first = published(old, {"cute-dsl/old.o": b"\x7fELF old"})
+            cluster.finish(cluster.run("demo", ARCH), message=result_message(ARCH, first))
+            wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready")
+
+            cluster.kube.patch(kernelcache_path(NS, "demo"), {"spec": {"engine": {"image": new}}})
+            job = wait_until(
+                lambda: [
+                    j
+                    for j in cluster.jobs()
+                    if j["spec"]["template"]["spec"]["containers"][0]["image"] == new
+                ],
+                what="the new image's Job",
+            )[0]
+            wait_until(lambda: degraded().get("status") == "True", what="Degraded")
+            status = cluster.status("demo")
+            assert (status["phase"], status["servingArches"]) == ("Degraded", "0/1")
+            assert degraded()["reason"] == "ImageNotPublished"
+            assert f"pods on {new} are refused" in degraded()["message"]
+            assert f"pods on {old} load generation {first}" in degraded()["message"]
+            warned = wait_until(
+                lambda: [e for e in cluster.events("demo") if e["reason"] == "ImageNotPublished"],
+                what="the Warning event",
+            )
+            assert warned[0]["type"] == "Warning" and new in warned[0]["message"]
+
+            # The rollout: a pod on each image.
+            init_old = admitted("llama-old-0", old)
+            assert _verify_as_injected(init_old, store, tmp_path / "p0", ARCH) == (0, "")
+            code, said = _verify_as_injected(
+                admitted("llama-new-0", new), store, tmp_path / "p1", ARCH
+            )
+            assert code == 4 and new in said and "extra/engine_image" in said, said
+
+            # 0.2.0's generation publishes; the pod on 0.1.0 admitted before still starts.
+            second = published(new, {"cute-dsl/new.o": b"\x7fELF new"})
+            cluster.finish(job, message=result_message(ARCH, second))
+            wait_until(lambda: cluster.status("demo").get("phase") == "Ready", what="Ready again")
+            assert cluster.status("demo")["servingArches"] == "1/1"
+            code, said = _verify_as_injected(
+                admitted("llama-new-1", new), store, tmp_path / "p2", ARCH
+            )
+            assert (code, said) == (0, "")
+            assert _verify_as_injected(init_old, store, tmp_path / "p3", ARCH) == (0, "")
+            report = json.loads(
+                (tmp_path / "p3" / "emptydir" / "kernelcache-verify.json").read_text()
+            )
+            assert report["generation"] == first
+            # A new pod on 0.1.0 now runs another image than the KernelCache caches for.
+            with pytest.raises(kubernetes.client.ApiException) as refused:
+                admitted("llama-old-1", old)
+            assert refused.value.status == 403
+    finally:
+        _SERVER.clear()
+
+
+def _webhook_tls(docs: list[dict[str, Any]]) -> tuple[str, str, str, str]:
+    """(the Secret's ca.crt, tls.crt, the one caBundle of every webhook, the pods' checksum)
+    of a rendered chart."""
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
+    configs = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    checksum = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/webhook-tls"]
+    (bundle,) = {w["clientConfig"]["caBundle"] for c in configs for w in c["webhooks"]}
+    return secret["data"]["ca.crt"], secret["data"]["tls.crt"], bundle, checksum
+
+
+def test_a_helm_upgrade_keeps_the_webhook_certificate_the_operator_serves(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Install, then upgrade: the upgrade renders (helm's server-side dry run reads the live
+    Secret, as ``helm upgrade`` does) the certificate already installed, so the caBundle the
+    API server trusts still matches what the running operator serves over TLS, and the
+    operator's pods are not rolled for a new one. Without an installed Secret, each render
+    makes a new certificate."""
+    if not HELM.exists():
+        pytest.skip("helm is not installed: run scripts/install-kube-tools.sh")
+    namespace = "kernelcache-system"
+
+    def rendered(*args: str) -> list[dict[str, Any]]:
+        proc = subprocess.run(
+            [str(HELM), "template", "kc", str(CHART), "--namespace", namespace, *args],
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+    installed = rendered()
+    assert _webhook_tls(installed)[1] != _webhook_tls(rendered())[1]  # no Secret: a new one
+    assert _webhook_tls(installed)[0] == _webhook_tls(installed)[2]  # one CA, both places
+    # What helm install leaves of the Secret (the chart's objects, owned by the release).
+    secret = next(d for d in installed if d["kind"] == "Secret")
+    owner = {"meta.helm.sh/release-name": "kc", "meta.helm.sh/release-namespace": namespace}
+    secret["metadata"].setdefault("annotations", {}).update(owner)
+    cluster.kube.create(path("v1", "secrets", namespace), secret)
+
+    server = ("--dry-run=server", "--disable-openapi-validation")
+    upgraded = rendered(*server, "--kubeconfig", str(tmp_path / "kubeconfig"))
+    assert _webhook_tls(upgraded) == _webhook_tls(installed)
+
+    # The operator serves the installed certificate (its Secret, mounted), and a client that
+    # trusts the upgrade's caBundle, as the API server then does, completes the handshake.
+    tls = tmp_path / "webhook-tls"
+    tls.mkdir()
+    for key in ("tls.crt", "tls.key"):
+        (tls / key).write_bytes(base64.b64decode(secret["data"][key]))
+    port = free_port()
+    _SERVER["server"] = kopf.WebhookServer(
+        addr="127.0.0.1", port=port, certfile=str(tls / "tls.crt"), pkeyfile=str(tls / "tls.key")
+    )
+    context = ssl.create_default_context(
+        cadata=base64.b64decode(_webhook_tls(upgraded)[2]).decode()
+    )
+    service = f"kc-kernelcache-webhook.{namespace}.svc"
+    try:
+        with operator(cluster):
+            wait_until(lambda: _listening(port), what="the operator's webhook server")
+            raw = socket.create_connection(("127.0.0.1", port), timeout=scaled(10))
+            with context.wrap_socket(raw, server_hostname=service) as conn:
+                assert conn.version()
     finally:
         _SERVER.clear()

@@ -50,12 +50,13 @@ from kernelcache.errors import (
     NoGpuInfoError,
     SignatureError,
     SpecError,
+    StampMismatchError,
     StorageError,
     error_line,
     one_line,
 )
 from kernelcache.node import LabelReader, NodeInfo, discover_node
-from kernelcache.stamp_policy import check_stamp, tuning_to_drop
+from kernelcache.stamp_policy import check_image, check_stamp, tuning_to_drop
 
 # The store's private write helpers too: one-line StorageErrors naming path and errno, and
 # files made durable the way the store makes its own.
@@ -349,7 +350,7 @@ def _located(
         with _pulled(options, options.pull[arch], target) as gen_dir:
             yield gen_dir, None
     elif options.store is not None:
-        yield _from_store(options.store, key), key
+        yield _from_store(options.store, key, options.expect_image), key
     else:
         sources = sorted({*options.artifacts, *options.pull})
         raise MissingGenerationError(
@@ -390,7 +391,10 @@ def _pulled(options: Options, ref: str, target: Path | None) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _from_store(root: Path, key: str) -> Path:
+def _from_store(root: Path, key: str, image: str | None = None) -> Path:
+    """The generation CURRENT names; with ``image``, the one built for it: CURRENT's, else
+    the most recently current of the kept generations that was (a pod on the previous image
+    while a new one builds or just published: the store keeps the last generations)."""
     store = Store(root)
     check_store_root(store.root)
     gen_dir = store.current(key)
@@ -401,7 +405,30 @@ def _from_store(root: Path, key: str) -> Path:
             f"(arches built: {', '.join(built) if built else 'none'})",
             path=str(store.key_dir(key)),
         )
-    return gen_dir
+    if image is None:
+        return gen_dir
+    current = store.manifest(gen_dir)
+    if current is None:
+        return gen_dir  # verify names what is wrong with it
+    try:
+        check_image(current, image)
+        return gen_dir
+    except StampMismatchError as exc:
+        refused = exc
+    kept = store.rollback_order(key)
+    for path, manifest in kept:
+        if manifest is None:
+            continue
+        try:
+            check_image(manifest, image)
+        except StampMismatchError:
+            continue
+        return path
+    raise StampMismatchError(
+        f"{refused}; none of the {len(kept)} generations kept besides CURRENT "
+        f"({gen_dir.name}) was built for it either (a new image's generation is published when "
+        "its compile Job ends; the kubelet retries this pod)"
+    )
 
 
 def _key_and_arch(options: Options, node: NodeInfo) -> tuple[str, str]:

@@ -873,6 +873,11 @@ class ArchStatus(BaseModel):
         description="The generation as an OCI artifact, repo@sha256:... (pushed by the "
         "compile Job, or consumed from spec.source).",
     )
+    engine_image: str | None = Field(
+        default=None,
+        description="The engine image the generation was built for: pods on it load this "
+        "generation while a new spec.engine.image builds.",
+    )
 
 
 class Condition(BaseModel):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENGINE_IMAGE_FACTOR",
+    "check_image",
     "check_stamp",
     "parse_expect_factor",
     "tune_scoped_files",
@@ -54,6 +55,19 @@ def _factors(manifest: Manifest) -> Mapping[str, str]:
     re-derived here: the signature covers them, and ``--check-env`` parses them strictly."""
     factors = manifest.stamp.get("factors")
     return factors if isinstance(factors, Mapping) else {}
+
+
+def check_image(manifest: Manifest, image: str) -> None:
+    """Refuse a generation not built for ``image`` (compared as container runtimes resolve
+    images; a stamp that records none was built for no image)."""
+    built = _factors(manifest).get(ENGINE_IMAGE_FACTOR)
+    why = "--expect-image"
+    try:
+        matches = built is not None and same_image(built, image)
+    except InvalidImageReference as exc:
+        matches, why = False, f"--expect-image: {exc}"
+    if not matches:
+        raise _mismatch(ENGINE_IMAGE_FACTOR, built, image, why)
 
 
 def tune_scoped_files(manifest: Manifest) -> list[str]:
@@ -134,14 +148,7 @@ def check_stamp(
     if node.arch is not None and built_arch != node.arch:
         raise _mismatch("arch", built_arch, node.arch, f"node, from {node.arch_source}")
     if expect_image is not None:
-        built_image = factors.get(ENGINE_IMAGE_FACTOR)
-        why = "--expect-image"
-        try:
-            matches = built_image is not None and same_image(built_image, expect_image)
-        except InvalidImageReference as exc:
-            matches, why = False, f"--expect-image: {exc}"
-        if not matches:
-            raise _mismatch(ENGINE_IMAGE_FACTOR, built_image, expect_image, why)
+        check_image(manifest, expect_image)
     for name, expected in (expect_factors or {}).items():
         if factors.get(name) != expected:
             raise _mismatch(name, factors.get(name), expected, "--expect-factor")

@@ -67,7 +67,7 @@ from tests.cluster.api import ADMIN, ClusterAPI, certificate_authority, label_se
 from tests.cluster.controllers import Controllers
 from tests.cluster.images import Image
 from tests.cluster.kubelet import Kubelet, PodRunner
-from tests.conftest import scaled
+from tests.conftest import free_port, scaled
 from tests.k8s_emulator import serving
 from tests.operator_process import kubeconfig
 
@@ -154,12 +154,6 @@ class Cluster:
         return self.kubelet.node_disk(node)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def serves_tls(port: int) -> bool:
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
@@ -186,7 +180,7 @@ def install_chart(the: Cluster, namespace: str, values: dict[str, Any]) -> dict[
     rendered = subprocess.run(
         [str(HELM), "template", "kc", str(REPO / "charts" / "kernelcache"),
          "--namespace", namespace, "-f", str(file)],
-        capture_output=True, text=True, check=True, timeout=60,
+        capture_output=True, text=True, check=True, timeout=scaled(60),
     ).stdout  # fmt: skip
     applied = the.kubectl("apply", "--server-side", "--validate=false", "-f", "-", stdin=rendered)
     if applied.returncode != 0:

@@ -731,7 +731,7 @@ class Kubelet:
             ["skopeo", "copy", *flags, f"docker://{reference}", f"dir:{work / 'image'}"],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         if pulled.returncode != 0:
             raise NotReady(f"image volume {reference}: ErrImagePull: {pulled.stderr.strip()}")

@@ -23,7 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from tests.conftest import system_tool
+from tests.conftest import scaled, system_tool
 from tests.helpers.token_service import ISSUER, SERVICE, TokenService, running_token_service
 
 USER, PASSWORD = "pusher", "s3cret-pw"
@@ -57,7 +57,7 @@ class Registry:
             [system_tool("skopeo"), command, *extra, *rest],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
 
 
@@ -191,7 +191,7 @@ def _running(folder: Path, stack: ExitStack, token_auth: bool) -> Iterator[Regis
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     try:
-        ready.wait(timeout=120)  # an event: the line, or the log closing when it exits
+        ready.wait(timeout=scaled(120))  # an event: the line, or the log closing when it exits
         assert listening, f"docker-registry did not start: {log.read_text()[-2000:]}"
         host = listening[0].split('"')[0]
         credentials = authfile(folder / "auth.json", host)
@@ -199,7 +199,7 @@ def _running(folder: Path, stack: ExitStack, token_auth: bool) -> Iterator[Regis
     finally:
         process.terminate()
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=scaled(30))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

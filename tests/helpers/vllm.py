@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO, kernelcache_doc, subprocess_env
+from tests.conftest import REPO, kernelcache_doc, scaled, subprocess_env
 
 FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
 
@@ -91,7 +91,7 @@ def drive(tmp: Path, name: str, env: dict[str, str], **job: Any) -> tuple[int, d
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     result = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).exists() else {}
     return proc.returncode, result, proc.stderr
@@ -104,7 +104,7 @@ def verify(
     return subprocess.run(
         [sys.executable, "-m", "kernelcache", "verify", "--store", str(built["store"]),
          "--key", KEY, "--check-env", "--materialize", str(target), *extra],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
 
 

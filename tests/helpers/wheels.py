@@ -18,6 +18,8 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from tests.conftest import scaled
+
 # Every member gets the same timestamp, so the same inputs give the same wheel bytes.
 _ZIP_TIME = (2020, 1, 1, 0, 0, 0)
 
@@ -65,7 +67,7 @@ def pip_install(target: Path, wheels: Iterable[Path], *, compile_bytecode: bool 
     if not compile_bytecode:
         cmd.append("--no-compile")
     proc = subprocess.run(
-        [*cmd, *map(str, wheels)], capture_output=True, text=True, timeout=300, check=False
+        [*cmd, *map(str, wheels)], capture_output=True, text=True, timeout=scaled(300), check=False
     )
     assert proc.returncode == 0, proc.stderr
     return target

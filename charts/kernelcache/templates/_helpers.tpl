@@ -91,18 +91,29 @@ written by cert-manager or by this chart.
 
 {{/*
 kernelcache.webhook.selfSigned: the helm-generated CA and serving certificate as a dict
-{ca, cert, key}, base64-encoded. Generated once per render and cached on the root context:
-the Secret and both webhook configurations are separate templates and must all see the same
-CA, which separate genCA calls would not give.
+{ca, cert, key}, base64-encoded. Made once per render and cached on the root context: the
+Secret and both webhook configurations are separate templates and must all see the same CA,
+which separate genCA calls would not give. The Secret a previous install or upgrade wrote is
+reused (cert-manager's chart convention, through `lookup`): a certificate generated anew at
+every `helm upgrade` would put a caBundle in the webhook configurations that the running
+operator's certificate does not match until its pods rolled, and every labelled pod created
+meanwhile would be refused (failurePolicy Fail) or admitted without its init-container
+(Ignore). Delete the Secret to have the next upgrade make a new one (docs/operations.md).
 */}}
 {{- define "kernelcache.webhook.selfSigned" -}}
 {{- if not (hasKey $ "kernelcacheWebhookTLS") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "kernelcache.webhook.secretName" .) -}}
+{{- $data := (($existing | default dict).data | default dict) -}}
+{{- if and (index $data "ca.crt") (index $data "tls.crt") (index $data "tls.key") -}}
+{{- $_ := set $ "kernelcacheWebhookTLS" (dict "ca" (index $data "ca.crt") "cert" (index $data "tls.crt") "key" (index $data "tls.key")) -}}
+{{- else -}}
 {{- $service := include "kernelcache.webhook.serviceName" . -}}
 {{- $days := int .Values.webhook.selfSignedValidityDays -}}
 {{- $dns := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) (printf "%s.%s.svc.cluster.local" $service .Release.Namespace) -}}
 {{- $ca := genCA (printf "%s-ca" $service) $days -}}
 {{- $cert := genSignedCert (printf "%s.%s.svc" $service .Release.Namespace) nil $dns $days $ca -}}
 {{- $_ := set $ "kernelcacheWebhookTLS" (dict "ca" ($ca.Cert | b64enc) "cert" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc)) -}}
+{{- end -}}
 {{- end -}}
 {{- toJson (get $ "kernelcacheWebhookTLS") -}}
 {{- end -}}

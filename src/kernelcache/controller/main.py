@@ -35,6 +35,7 @@ from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
 )
 from kernelcache.controller.handlers.handle_start_operator import ensure_peering
 from kernelcache.controller.handlers.handle_update_job import reconcile_job_owner
+from kernelcache.controller.handlers.handle_update_nodes import LABELS as NODE_MAP_LABELS
 from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
 from kernelcache.controller.handlers.handle_update_secret import reconcile_secret_users
 from kernelcache.controller.kube import ApiError, Kube, path
@@ -113,7 +114,6 @@ def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
     _configure(settings)
     memo.kube = memo.get("kube") or Kube.from_environment(connections=CONFIG.workers)
-    memo.node_maps = {}  # namespace -> the node map last written there
     for problem in ensure_peering(memo.kube, CONFIG):
         logger.warning("%s; kopf keeps this replica paused until it exists", problem)
     if CONFIG.metrics_port:
@@ -144,13 +144,44 @@ def _nodes_of(kwargs: dict[str, Any]) -> dict[str, dict[str, str]]:
     return {name: next(iter(labels)) for name, labels in index.items()}
 
 
+@kopf.index(*KC)
+def kernelcache_namespaces(namespace: str | None, name: str, **_: Any) -> dict[str, str]:
+    """The namespaces that have a KernelCache (so a node map), kept from the watch: a
+    namespace whose last KernelCache is deleted leaves it."""
+    return {namespace: name} if namespace else {}
+
+
+def _publish_node_maps(kube: Kube, namespaces: list[str], kwargs: dict[str, Any]) -> None:
+    """Write the node map of each namespace that has a KernelCache; from an event (not
+    retried) a failure is one warning, and the next resync writes it."""
+    index: kopf.Index[str, str] = kwargs["kernelcache_namespaces"]
+    for namespace in namespaces:
+        if namespace not in index:
+            continue
+        try:
+            publish_node_map(kube, namespace, _nodes_of(kwargs))
+        except ApiError as exc:
+            logger.warning(
+                "node map of %s not written (%s); the next resync writes it", namespace, exc
+            )
+
+
 @kopf.on.event("", "v1", "nodes")
 def node_changed(type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
     """A node came, went or was relabelled: update the maps of the namespaces that have one."""
     if type is None:
         return  # the initial listing: each namespace's first reconcile writes its map
-    for namespace in list(memo.node_maps):
-        publish_node_map(memo.kube, namespace, _nodes_of(kwargs), memo.node_maps)
+    _publish_node_maps(memo.kube, list(kwargs["kernelcache_namespaces"]), kwargs)
+
+
+@kopf.on.event("", "v1", "configmaps", labels=NODE_MAP_LABELS)
+def node_map_changed(
+    type: str | None, namespace: str | None, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A node map was deleted (a GitOps prune): write it again while its namespace has a
+    KernelCache, rather than leave every new pod there without its node's arch."""
+    if type == "DELETED" and namespace:
+        _publish_node_maps(memo.kube, [namespace], kwargs)
 
 
 @kopf.on.resume(*KC)
@@ -165,7 +196,7 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     except ConflictError as exc:  # other writers kept winning: kopf retries, one line said
         raise kopf.TemporaryError(str(exc), delay=1) from exc
     _post(reconciled)
-    publish_node_map(memo.kube, body["metadata"]["namespace"], _nodes_of(kwargs), memo.node_maps)
+    publish_node_map(memo.kube, body["metadata"]["namespace"], _nodes_of(kwargs))
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=COMPILE_JOBS)

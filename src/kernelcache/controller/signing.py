@@ -12,7 +12,8 @@ and the new public key, ``docs/security.md``). The operator watches that Secret:
   or compiles anew one it cannot vouch for;
 - the condition ``SignatureTrusted`` says, per arch, when the generation that is published
   was signed by a key not in ``kernelcache.pub``: pods would refuse it now
-  (``trust_condition``).
+  (``trust_condition``); while it does not hold, Ready does not either and the KernelCache
+  is Degraded (``state.summarize``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import base64
 import binascii
 import hashlib
 import json
-from datetime import datetime
 from typing import Any
 
 from kernelcache.controller.kube import ApiError, Kube, path
@@ -92,45 +92,6 @@ def trusted(data: dict[str, Any] | None) -> tuple[list[str], str | None]:
     except (binascii.Error, SignatureError) as exc:
         return [], f"the signing Secret's {PUBLIC_KEY_FILE} is unusable: {exc}"
     return [fingerprint(k) for k in keys], None
-
-
-def with_trust(
-    kc: KernelCache,
-    status: dict[str, Any],
-    data: dict[str, Any] | None,
-    previous: dict[str, Any],
-    now: datetime,
-) -> dict[str, Any]:
-    """The status with ``SignatureTrusted`` added (signing only); while it does not hold,
-    ``Ready`` does not either: pods would refuse what is published."""
-    found = trust_condition(kc, status.get("arches") or [], data)
-    if found is None:
-        return status
-    kind, holds, reason, message = found
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") != kind]
-    before = {c.get("type"): c for c in previous.get("conditions") or []}
-    conditions.append(_condition(kind, holds, reason, message, before.get(kind), now))
-    if not holds:
-        ready = before.get("Ready")
-        conditions = [
-            _condition("Ready", False, reason, message, ready, now)
-            if c.get("type") == "Ready"
-            else c
-            for c in conditions
-        ]
-    return {**status, "conditions": conditions}
-
-
-def _condition(
-    kind: str, holds: bool, reason: str, message: str, old: dict[str, Any] | None, now: datetime
-) -> dict[str, Any]:
-    """A condition keeping its lastTransitionTime while its status does not change."""
-    value = "True" if holds else "False"
-    old = old or {}
-    since = old.get("lastTransitionTime") if old.get("status") == value else None
-    condition = {**old, "type": kind, "status": value, "reason": reason, "message": message}
-    condition["lastTransitionTime"] = since or now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    return condition
 
 
 def trust_condition(

@@ -27,7 +27,7 @@ digest is new for every ``metadata.generation``, so a reverted spec's old Jobs a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -35,9 +35,11 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from kernelcache.contract import LABEL_ARCH, LABEL_ATTEMPT, LABEL_DIGEST
+from kernelcache.images import InvalidImageReference, same_image
 from kernelcache.spec import ArchStatus
 
 JobState = Literal["Pending", "Compiling", "Succeeded", "Failed"]
+UNFINISHED: tuple[JobState, ...] = ("Pending", "Compiling")
 
 # What an arch keeps from its last published result while a new build runs, as the CRD
 # names each field of ``spec.ArchStatus``.
@@ -51,6 +53,7 @@ _PUBLISHED = {
         "compile_seconds",
         "signed_by",
         "artifact",
+        "engine_image",
     )
 }
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
@@ -142,6 +145,15 @@ def job_attempt(job: dict[str, Any]) -> int:
         return int(labels.get(LABEL_ATTEMPT, "0"))
     except ValueError:
         return 0
+
+
+def job_image(job: dict[str, Any]) -> str | None:
+    """The engine image a compile Job's ``warm`` container runs: what its generation is for."""
+    template = ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
+    for container in template.get("containers") or []:
+        if container.get("name") == "warm" and container.get("image"):
+            return str(container["image"])
+    return None
 
 
 def job_failure(job: dict[str, Any]) -> str:
@@ -316,7 +328,7 @@ def superseded(jobs: Iterable[dict[str, Any]], digest: str) -> list[str]:
         job["metadata"]["name"]
         for job in jobs
         if (job["metadata"].get("labels") or {}).get(LABEL_DIGEST) != digest
-        and job_state(job) in ("Pending", "Compiling")
+        and job_state(job) in UNFINISHED
     ]
 
 
@@ -363,7 +375,7 @@ def plan_arch(
     name, attempt = job["metadata"]["name"], job_attempt(job)
     of = f" (attempt {attempt + 1} of {policy.max_attempts})" if attempt else ""
     outcome = job_state(job)
-    if outcome in ("Pending", "Compiling") and stuck:
+    if outcome in UNFINISHED and stuck:
         message = f"Job {name} cannot start{of}: {stuck}"
         return ArchPlan(status("Pending", message), None, True, job, CANNOT_START)
     if outcome == "Pending":
@@ -377,6 +389,8 @@ def plan_arch(
         if result is None:
             return ArchPlan(status("Ready", unread), job=job)
         fields = {k: v for k, v in from_result(result).items() if v is not None}
+        if fields.get("generation"):
+            fields["engine_image"] = job_image(job)
         try:
             done = status("Ready", f"{result['status']} by Job {name}", **fields)
         except ValidationError as exc:  # not what kernelcache warm writes
@@ -432,52 +446,129 @@ def _conditions(
     return result
 
 
-def overall_phase(phases: list[str]) -> str:
-    """All Ready: Ready. All Failed: Failed. Some Failed: Degraded. Else Compiling/Pending."""
-    if phases and all(p == "Ready" for p in phases):
+# Reasons of a True Degraded condition that nothing will change until the spec does.
+FAILED_REASONS = frozenset({"InvalidSpec", "AllArchesFailed"})
+IMAGE_NOT_PUBLISHED = "ImageNotPublished"
+# Degraded reasons whose Warning events are posted per arch (``transitions``).
+_TOLD_PER_ARCH = frozenset({"InvalidSpec", "AllArchesFailed", COMPILE_FAILED, CANNOT_START})
+
+Check = tuple[str, bool, str, str]  # a condition of its own: (type, holds, reason, message)
+
+
+def phase_of(conditions: Iterable[dict[str, Any]]) -> str:
+    """The phase, read from the conditions alone (the one source of both):
+
+    - Degraded True: Failed when nothing changes until the spec does (an invalid spec, every
+      arch failed), else Degraded;
+    - else Ready True: Ready;
+    - else Progressing True: Compiling once an arch compiles or is built, else Pending;
+    - else Pending.
+    """
+    found = {c.get("type"): c for c in conditions}
+
+    def holds(kind: str) -> bool:
+        return (found.get(kind) or {}).get("status") == "True"
+
+    if holds("Degraded"):
+        return "Failed" if found["Degraded"].get("reason") in FAILED_REASONS else "Degraded"
+    if holds("Ready"):
         return "Ready"
-    if phases and all(p == "Failed" for p in phases):
-        return "Failed"
-    if "Failed" in phases:
-        return "Degraded"
-    if "Compiling" in phases or "Ready" in phases:
+    if holds("Progressing") and found["Progressing"].get("reason") == "Compiling":
         return "Compiling"
     return "Pending"
 
 
+def serves_image(arch: dict[str, Any], image: str | None) -> bool:
+    """Whether pods on ``image`` load the arch's published generation: it was built for that
+    image (a status written before the image was recorded is taken to be)."""
+    built = arch.get("engineImage")
+    if not built or image is None:
+        return True
+    try:
+        return same_image(built, image)
+    except InvalidImageReference:
+        return False
+
+
+def _refusal(arch: dict[str, Any], image: str | None) -> str:
+    """Which pods of an arch are refused, and which load what. Without the build's progress
+    (the arch's own message says it), so that it changes, and is told, once per image."""
+    return (
+        f"{arch['arch']}: pods on {image} are refused until its generation publishes, unless "
+        f"the store still keeps one built for it; pods on {arch.get('engineImage')} load "
+        f"generation {arch.get('generation')}"
+    )
+
+
 def summarize(
-    plans: list[ArchPlan], generation: int | None, previous: dict[str, Any], now: datetime
+    plans: list[ArchPlan],
+    generation: int | None,
+    previous: dict[str, Any],
+    now: datetime,
+    *,
+    image: str | None = None,
+    checks: Sequence[Check] = (),
 ) -> dict[str, Any]:
-    """The whole status: per-arch entries, phase, ready and serving counts, three conditions.
+    """The whole status: per-arch entries, the conditions, and the phase read from them.
 
     ``readyArches`` counts the arches built for the current spec; ``servingArches`` those
-    whose store names a generation that pods load now (while a change builds, the previous
-    one still serves: ``0/2`` ready is not ``0/2`` serving).
+    whose store names a generation that pods on ``image`` (``spec.engine.image``) load now:
+    while a change of anything else builds, the previous generation still serves (``0/2``
+    ready is not ``0/2`` serving); while a new image builds, the previous image's pods load
+    its generation and the new image's are refused, which Degraded says
+    (``ImageNotPublished``). ``checks`` are conditions of their own (``SignatureTrusted``):
+    one that does not hold makes Ready False and Degraded True.
     """
     arches = [p.status for p in plans]
     ready = sum(a["phase"] == "Ready" for a in arches)
-    serving = sum(bool(a.get("generation") or a.get("artifact")) for a in arches)
+    published = [a for a in arches if a.get("generation") or a.get("artifact")]
+    refused = [a for a in published if not serves_image(a, image)]
     failed = [a for a in arches if a["phase"] == "Failed"]
     stuck = [p.status for p in plans if p.warning == CANNOT_START]
     busy = [a for a, p in zip(arches, plans, strict=True) if p.progressing]
+    failing = [c for c in checks if not c[1]]
     count = f"{ready}/{len(arches)} arches ready"
-    all_ready = ready == len(arches)
+    all_ready = bool(arches) and ready == len(arches) and not failing
     busy_text = "; ".join(f"{a['arch']}: {a['message']}" for a in busy) or count
-    failed_text = "; ".join(f"{a['arch']}: {a['message']}" for a in failed + stuck) or count
-    degraded = COMPILE_FAILED if failed else CANNOT_START if stuck else "NoFailures"
-    wanted = [
-        ("Ready", all_ready, "ArchesReady" if all_ready else "ArchesNotReady", count),
-        ("Progressing", bool(busy), "Compiling" if busy else "Idle", busy_text),
-        ("Degraded", bool(failed or stuck), degraded, failed_text),
+    problems = [
+        *(f"{a['arch']}: {a['message']}" for a in failed + stuck),
+        *(_refusal(a, image) for a in refused),
+        *(c[3] for c in failing),
     ]
-    phase = overall_phase([a["phase"] for a in arches])
+    if failed and len(failed) == len(arches):
+        degraded = "AllArchesFailed"
+    elif failed or stuck:
+        degraded = COMPILE_FAILED if failed else CANNOT_START
+    elif refused:
+        degraded = IMAGE_NOT_PUBLISHED
+    else:
+        degraded = failing[0][2] if failing else "NoFailures"
+    if all_ready:
+        ready_reason, ready_text = "ArchesReady", count
+    elif failing and ready == len(arches):
+        ready_reason, ready_text = failing[0][2], failing[0][3]
+    else:
+        ready_reason, ready_text = "ArchesNotReady", count
+    compiling = any(a["phase"] in ("Compiling", "Ready") for a in arches)
+    wanted = [
+        ("Ready", all_ready, ready_reason, ready_text),
+        (
+            "Progressing",
+            bool(busy),
+            "Idle" if not busy else "Compiling" if compiling else "Pending",
+            busy_text,
+        ),
+        ("Degraded", bool(problems), degraded, "; ".join(problems) or count),
+        *checks,
+    ]
+    conditions = _conditions(wanted, previous.get("conditions") or [], generation, now)
     return {
-        "phase": "Degraded" if stuck and phase in ("Pending", "Compiling") else phase,
+        "phase": phase_of(conditions),
         "observedGeneration": generation,
         "readyArches": f"{ready}/{len(arches)}",
-        "servingArches": f"{serving}/{len(arches)}",
+        "servingArches": f"{len(published) - len(refused)}/{len(arches)}",
         "arches": arches,
-        "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
+        "conditions": conditions,
     }
 
 
@@ -490,13 +581,14 @@ def invalid_status(
         ("Progressing", False, "InvalidSpec", "nothing is compiled until the spec is fixed"),
         ("Degraded", True, "InvalidSpec", message),
     ]
+    conditions = _conditions(wanted, previous.get("conditions") or [], generation, now)
     return {
-        "phase": "Failed",
+        "phase": phase_of(conditions),
         "observedGeneration": generation,
         "readyArches": previous.get("readyArches"),
         "servingArches": previous.get("servingArches"),
         "arches": previous.get("arches") or [],
-        "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
+        "conditions": conditions,
     }
 
 
@@ -543,6 +635,13 @@ def transitions(
     was = _find(previous, "Ready")
     if ready.get("reason") == "InvalidSpec" and ready.get("message") != was.get("message"):
         events.append(Event("Warning", "InvalidSpec", ready.get("message") or ""))
+    degraded, before_degraded = _find(status, "Degraded"), _find(previous, "Degraded")
+    if (
+        degraded.get("status") == "True"
+        and degraded.get("reason") not in _TOLD_PER_ARCH
+        and degraded.get("message") != before_degraded.get("message")
+    ):  # pods refused for a reason no arch's event says: a new image, an untrusted key
+        events.append(Event("Warning", degraded["reason"], degraded.get("message") or ""))
     if status.get("phase") == "Ready" and previous.get("phase") != "Ready":
         events.append(Event("Normal", "Ready", f"all arches ready ({status.get('readyArches')})"))
     return events

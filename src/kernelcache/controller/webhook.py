@@ -33,7 +33,10 @@ pod's namespace) gets, as JSON-patch ``add`` operations:
 Pod annotations:
 
 - ``kernelcache.dev/image-policy``: ``deny`` (default) refuses a pod whose serving container
-  runs another image than the KernelCache's ``spec.engine.image``; ``warn`` admits it with an
+  runs another image than the KernelCache's ``spec.engine.image`` or, while a new image
+  builds, the image of a generation its arches still publish (``status.arches[].engineImage``:
+  a rollout's pods on the previous image keep starting, and their init-container is told to
+  load the generation built for that image); ``warn`` admits it with an
   admission warning (the init-container still verifies the generation against the
   KernelCache's image, and the runtime's stamp check sees the difference). Images are
   compared as container runtimes resolve them (``kernelcache.images``): ``vllm/x:1`` is
@@ -179,13 +182,35 @@ def _serving(pod: dict[str, Any], where: str) -> list[tuple[int, dict[str, Any]]
     return [(i, c) for i, c in containers if c.get("name") in wanted]
 
 
+def published_images(kc: KernelCache) -> list[str]:
+    """The images of the generations the KernelCache's arches publish now, other than
+    ``spec.engine.image``: a new image builds, and pods on the previous one still load the
+    generation built for it (``status.arches[].engineImage``)."""
+    expected = image_of(kc)
+    found: list[str] = []
+    for arch in (kc.status.arches if kc.status else None) or []:
+        image = arch.engine_image
+        if not arch.generation or not image or image in found:
+            continue
+        try:
+            if not same_image(expected, image):
+                found.append(image)
+        except InvalidImageReference:
+            continue  # not an image any pod can run: nothing to admit
+    return found
+
+
 def _check_images(
     pod: dict[str, Any],
     serving: list[tuple[int, dict[str, Any]]],
     kc: KernelCache,
     where: str,
     warnings: list[str] | None,
-) -> None:
+) -> str:
+    """Refuse (deny) or warn about serving containers on another image than the
+    KernelCache's; the image the init-container checks the generation against: the pod's own
+    where every serving container runs one still published (``published_images``), else
+    ``spec.engine.image``."""
     policy = _annotations(pod).get(ANNOTATION_IMAGE_POLICY, "deny")
     if policy not in IMAGE_POLICIES:
         raise Denied(
@@ -198,21 +223,28 @@ def _check_images(
         parse_image(expected)
     except InvalidImageReference as exc:
         raise Denied(f"pod {where}: {kc_ref}: spec.engine.image {exc}") from None
+    previous = published_images(kc)
+    runs: set[str] = set()  # the images the serving containers run, as the KernelCache names them
     for _, container in serving:
         image = str(container.get("image") or "")
         try:
-            if same_image(expected, image):
-                continue
+            known = next((i for i in [expected, *previous] if same_image(i, image)), None)
         except InvalidImageReference as exc:
             raise Denied(f"pod {where}: container {container.get('name')!r}: image {exc}") from None
+        runs.add(known or expected)
+        if known is not None:
+            continue
         message = (
             f"pod {where}: container {container.get('name')!r} runs image {image!r}, but "
             f"{kc_ref} caches kernels for spec.engine.image {expected!r}"
         )
+        if previous:
+            message += f" (and, until that one publishes, {', '.join(map(repr, previous))})"
         if policy == "deny":
             raise Denied(f"{message} (set {ANNOTATION_IMAGE_POLICY}: warn to admit it anyway)")
         if warnings is not None:
             warnings.append(f"{message}; admitted because {ANNOTATION_IMAGE_POLICY} is warn")
+    return runs.pop() if len(runs) == 1 else expected
 
 
 def _check_cache_read_only(pod: dict[str, Any], kc: KernelCache, where: str) -> None:
@@ -236,13 +268,16 @@ def _check_cache_read_only(pod: dict[str, Any], kc: KernelCache, where: str) -> 
                 )
 
 
-def init_container(kc: KernelCache, config: OperatorConfig) -> dict[str, Any]:
-    """``kernelcache verify`` for this KernelCache: fails closed, so the pod does not start."""
+def init_container(
+    kc: KernelCache, config: OperatorConfig, image: str | None = None
+) -> dict[str, Any]:
+    """``kernelcache verify`` for this KernelCache: fails closed, so the pod does not start.
+    It loads the generation built for ``image`` (default ``spec.engine.image``)."""
     source = modes.serving_source(kc, config)
     args = [
         *source.args,
         "--namespace", kc.metadata.namespace, "--name", kc.metadata.name,
-        "--expect-image", image_of(kc),
+        "--expect-image", image or image_of(kc),
         "--policy", kc.spec.verification.policy,
         "--materialize", CACHE_DIR,
         "--termination-log", TERMINATION_LOG,
@@ -384,7 +419,7 @@ def mutate_pod(
 
     spec = pod.get("spec") or {}
     serving = _serving(pod, where)
-    _check_images(pod, serving, kc, where, warnings)
+    image = _check_images(pod, serving, kc, where, warnings)
     _check_cache_read_only(pod, kc, where)
     new_volumes = volumes(kc, config)
     taken = {v.get("name") for v in spec.get("volumes") or []} & {v["name"] for v in new_volumes}
@@ -392,7 +427,7 @@ def mutate_pod(
         raise Denied(f"pod {where}: volume {sorted(taken)[0]!r} exists; kernelcache needs the name")
 
     ops: Patch = []
-    _append(ops, spec, "/spec", "initContainers", [init_container(kc, config)])
+    _append(ops, spec, "/spec", "initContainers", [init_container(kc, config, image)])
     _append(ops, spec, "/spec", "volumes", new_volumes)
     _append(ops, spec, "/spec", "imagePullSecrets", _pull_secrets(spec, kc, config))
     env = serving_env(kc)

@@ -193,6 +193,14 @@ class Store:
         gen_dir = self.current(key)
         return None if gen_dir is None else load_manifest(gen_dir)
 
+    def manifest(self, gen_dir: Path) -> Manifest | None:
+        """A generation's manifest as it reads, unverified (to choose among generations,
+        which ``verify`` then checks in full); None when it does not parse."""
+        try:
+            return load_manifest(gen_dir)
+        except KernelCacheError:
+            return None
+
     def generations(self, key: str) -> list[Manifest]:
         """The manifests of the key's readable generations, oldest first."""
         return [m for _, m in self._generation_dirs(key) if m is not None]
@@ -211,11 +219,7 @@ class Store:
         for entry in entries:
             if GENERATION_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
                 path = Path(entry.path)
-                try:
-                    manifest: Manifest | None = load_manifest(path)
-                except KernelCacheError:
-                    manifest = None
-                found.append((path, manifest))
+                found.append((path, self.manifest(path)))
         return sorted(found, key=lambda g: (created_or_oldest(g[1]), g[0].name))
 
     @contextmanager

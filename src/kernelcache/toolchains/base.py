@@ -19,6 +19,7 @@ Triton, the DSL and FlashInfer are imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kernelcache import progress
 from kernelcache.deadline import deadline
-from kernelcache.errors import WarmError, one_line
+from kernelcache.errors import KernelCacheError, StorageError, WarmError, one_line
 from kernelcache.sources import ABSENT, SourceError, import_problem, module_sources
 
 if TYPE_CHECKING:
@@ -181,6 +182,8 @@ class Warmer(ABC):
         self.config = config
         self.spec_dir = spec_dir
         self.gpu_classes = list(gpu_classes)
+        # A line of the warmer's own output that says the disk is full (``volume_full``).
+        self.said_full: str | None = None
 
     @property
     def label(self) -> str:
@@ -211,7 +214,14 @@ class Warmer(ABC):
         report = self.report_type(warmer=self.label)
         start = time.perf_counter()
         with scoped_env({**self.config.env, **self.env(files_dir, arch)}):
-            self.produce(files_dir, arch, report)
+            try:
+                self.produce(files_dir, arch, report)
+            except (KernelCacheError, OSError) as exc:
+                full = volume_full(exc, files_dir, self.said_full)
+                if full is None:
+                    raise
+                failed = exc.message if isinstance(exc, KernelCacheError) else self.label
+                raise StorageError(f"{one_line(failed)}: {full}", path=str(files_dir)) from exc
         report.seconds = round(time.perf_counter() - start, 3)
         after = snapshot(files_dir, self.counted_dirs(files_dir))
         grown = {path: size for path, size in after.items() if before.get(path) != size}
@@ -244,6 +254,36 @@ class Warmer(ABC):
     def check_expected(self, report: Any, grown: Mapping[Path, int], arch: str) -> None:
         """Fail the warm when an artifact the spec declares (``expect``) did not appear."""
         return None
+
+
+# A full volume (or quota), as errno and as the C library words it in a tool's output.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL_WORDS = tuple(os.strerror(code) for code in _FULL)
+
+
+def volume_full(exc: BaseException, files_dir: Path, said: str | None = None) -> str | None:
+    """Why a failed warm was a full disk, in words (None: it was not, as far as is known).
+
+    A warmer's failure line names the warmer ("sh exited with 1"); the cause is a full disk
+    when an error in its chain is ENOSPC or EDQUOT (a Python warmer), when the warmer's own
+    output said so (``said``: a command, a compiler), or when the generation's volume has no
+    block left now.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL:
+            where = f" writing {seen.filename}" if seen.filename else ""
+            return f"no space left{where} ({errno.errorcode[seen.errno]}: {seen.strerror})"
+        seen = seen.__cause__ or seen.__context__
+    if said is not None:
+        return f"no space left on device (its output: {one_line(said)[:200]})"
+    try:
+        free = os.statvfs(files_dir)
+    except OSError:
+        return None
+    if free.f_bavail == 0:
+        return f"no space left on device: {files_dir} has no free block"
+    return None
 
 
 def resolve_entry_point(entry_point: str, spec_dir: Path | None) -> Callable[..., Any]:

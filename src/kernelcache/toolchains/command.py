@@ -19,7 +19,13 @@ from typing import IO, TextIO
 
 from kernelcache.deadline import kill_group
 from kernelcache.errors import WarmError, ended_by_interrupt, plain
-from kernelcache.toolchains.base import Toolchain, Warmer, WarmerReport, make_cache_dirs
+from kernelcache.toolchains.base import (
+    FULL_WORDS,
+    Toolchain,
+    Warmer,
+    WarmerReport,
+    make_cache_dirs,
+)
 
 
 class CommandWarmer(Warmer):
@@ -71,7 +77,7 @@ class CommandWarmer(Warmer):
         except PermissionError as exc:
             raise WarmError(f"command warmer: {self.config.command[0]}: not executable") from exc
         relays = [
-            threading.Thread(target=_relay, args=(source, sink), daemon=True)
+            threading.Thread(target=self._relay, args=(source, sink), daemon=True)
             for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
             if source is not None
         ]
@@ -90,13 +96,16 @@ class CommandWarmer(Warmer):
             for relay in relays:
                 relay.join(timeout=5)
 
-
-def _relay(source: IO[bytes], sink: TextIO) -> None:
-    """Copy a child's output line by line, without terminal escapes."""
-    with source:
-        for raw in source:
-            sink.write(plain(raw.decode(errors="replace").rstrip("\n")) + "\n")
-            sink.flush()
+    def _relay(self, source: IO[bytes], sink: TextIO) -> None:
+        """Copy a child's output line by line, without terminal escapes; note the last line
+        that says the disk is full (what "exited with 1" was)."""
+        with source:
+            for raw in source:
+                line = plain(raw.decode(errors="replace").rstrip("\n"))
+                if any(words in line for words in FULL_WORDS):
+                    self.said_full = line
+                sink.write(line + "\n")
+                sink.flush()
 
 
 # Any command: it uses the other toolchains' caches and has none of its own.

@@ -164,14 +164,23 @@ def _reconcile_once(
                 message = f"{arch}: created Job {new['metadata']['name']}"
                 events.append(state.Event("Normal", "JobCreated", message))
         plans.append(plan)
-    status = signing.with_trust(
-        kc, state.summarize(plans, generation, previous, now), secret, previous, now
+    unfinished = [p.job for p in plans if p.job and state.job_state(p.job) in state.UNFINISHED]
+    if unfinished and not prepared:  # deleted under a waiting Job (a prune): its pod needs them
+        _prepare(kube, kc, owner, digest)
+    trust = signing.trust_condition(kc, [p.status for p in plans], secret)
+    status = state.summarize(
+        plans,
+        generation,
+        previous,
+        now,
+        image=manifests.image_of(kc),
+        checks=[trust] if trust is not None else [],
     )
     if config.prefetch_root:
         status["nodes"] = _prefetch(kube, config, body, kc, status, owner)
     reconciled = _write(kube, body, previous, status, "ok", events, plans)
-    if state.published(status) != state.published(previous):
-        _record(kube, kc, uid, state.published(status))
+    if published := state.published(status):
+        _record(kube, kc, uid, published)
     return reconciled
 
 
@@ -236,17 +245,28 @@ def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
 
 
 def _record(kube: Kube, kc: KernelCache, uid: str, arches: dict[str, Any]) -> None:
-    """Keep the published record in line with the status just written."""
+    """Keep the published record in line with the status just written: read at every
+    reconcile (one GET), written when it is missing (pruned) or says anything else."""
     record = manifests.published_record(kc, uid, arches)
-    if not kube.create(path("v1", "configmaps", kc.metadata.namespace), record):
-        name = record["metadata"]["name"]
-        # A namesake's kept spec goes: this KernelCache exists, and the webhook reads it.
-        data = {**record["data"], manifests.KEPT_FILE: None}
-        kube.patch(path("v1", "configmaps", kc.metadata.namespace, name), {"data": data})
+    where = path("v1", "configmaps", kc.metadata.namespace, record["metadata"]["name"])
+    try:
+        found = kube.get(where)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        kube.create(path("v1", "configmaps", kc.metadata.namespace), record)
+        return  # created meanwhile by another reconcile: the next one compares it
+    data = found.get("data") or {}
+    same = data.get(manifests.RECORD_FILE) == record["data"][manifests.RECORD_FILE]
+    if same and manifests.KEPT_FILE not in data:
+        return
+    # A namesake's kept spec goes: this KernelCache exists, and the webhook reads it.
+    kube.patch(where, {"data": {**record["data"], manifests.KEPT_FILE: None}})
 
 
 def _prepare(kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str) -> None:
-    """Create the claim (from spec.storage.pvc) and the spec ConfigMap, unless they exist."""
+    """Create the claim (from spec.storage.pvc) and the spec ConfigMap, unless they exist:
+    when a Job is due, and while one has not finished (they may have been deleted since)."""
     namespace = kc.metadata.namespace
     if kc.spec.storage.pvc is not None:
         kube.create(
