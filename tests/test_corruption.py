@@ -232,6 +232,7 @@ MANIFEST = ArtifactClass("MANIFEST.json (signed)", re.escape(MANIFEST_NAME), man
 CLASSES = (
     ArtifactClass("CuTe-DSL object", r"cute-dsl/[0-9a-f]{32}\.o"),
     ArtifactClass("CuTe-DSL key", r"cute-dsl/[0-9a-f]{32}\.json"),
+    ArtifactClass("CuTe-DSL traced IR", r"cute-dsl/[0-9a-f]{32}\.mlir"),
     ArtifactClass("CuTe-DSL compile record", r"cute-dsl/observed/[0-9a-f]{32}\.json"),
     ArtifactClass("torch Mega-Cache blob", r"torch-compile/megacache\.bin"),
     ArtifactClass("torch Mega-Cache index", r"torch-compile/megacache\.json"),

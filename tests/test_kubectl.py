@@ -84,9 +84,11 @@ def test_kubectl_apply_then_get_shows_the_printer_columns(
         }
         wait_until(lambda: cluster.status("demo").get("readyArches") == "0/2", what="status")
 
+        columns = ["NAME", "MODEL", "SERVING", "READY", "PHASE", "AGE"]
+        wide = ["ARCHES", "GENERATIONS", "STAMPS", "MESSAGE"]  # -o wide: priority 1 columns
         for args in (["get", "kc"], ["get", "kernelcaches", "-o", "wide"], ["get", "kc", "demo"]):
             rows = table(kubectl(tmp_path, *args))
-            assert rows[0] == ["NAME", "MODEL", "SERVING", "READY", "PHASE", "AGE"], args
+            assert rows[0] == columns + (wide if "wide" in args else []), args
             assert len(rows) == 2, rows
             assert rows[1][:5] == ["demo", "example/elementwise-and-tiled", "0/2", "0/2", "Pending"]
             assert re.fullmatch(r"\d+s", rows[1][5]), rows

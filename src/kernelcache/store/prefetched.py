@@ -38,7 +38,6 @@ from kernelcache.store.fs import io_errors, replace_synced
 from kernelcache.store.layout import MANIFEST_NAME
 
 WANTED_DIR = ".wanted"
-LOCK_NAME = ".lock"
 
 
 @dataclass(frozen=True)

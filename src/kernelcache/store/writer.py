@@ -97,6 +97,14 @@ def _not_writable(exc: PermissionError, key_dir: Path) -> StorageError:
     )
 
 
+def _visible(directory: Path) -> list[str]:
+    """A directory's entries a store could hold (hidden names and ``lost+found`` aside)."""
+    with os.scandir(directory) as entries:
+        return sorted(
+            e.name for e in entries if not e.name.startswith(".") and e.name != "lost+found"
+        )
+
+
 class Store:
     """A directory of keys, each holding immutable generations and a CURRENT pointer."""
 
@@ -120,16 +128,22 @@ class Store:
 
     def foreign_entries(self) -> list[str]:
         """What makes the root no store, or nothing: a store is an empty directory (a fresh
-        volume; ``lost+found`` and hidden names aside) or one that holds a key's path,
-        ``NS/NAME/ARCH`` (whatever it has become: a broken key is verify's to name). A
-        typo'd path that exists must not read as an empty store."""
-        with os.scandir(self.root) as entries:
-            shown = sorted(
-                e.name for e in entries if not e.name.startswith(".") and e.name != "lost+found"
-            )
+        volume; ``lost+found`` and hidden names aside), one that holds a key's path,
+        ``NS/NAME/ARCH`` (whatever it has become: a broken key is verify's to name), or one
+        holding only the ``NS/`` and ``NS/NAME/`` directories its deleted keys left. A typo'd
+        path that exists must not read as an empty store."""
+        shown = _visible(self.root)
         for found in self.root.glob("*/*/sm_[0-9]*"):  # the last segment an arch's
             if key_problem(found.relative_to(self.root).as_posix()) is None:
                 return []
+        namespaces = [self.root / name for name in shown]
+        try:
+            if all(
+                ns.is_dir() and all((ns / n).is_dir() for n in _visible(ns)) for ns in namespaces
+            ):
+                return []
+        except OSError:  # a directory that cannot be listed: verify names it
+            return []
         return shown
 
     def _read_current(self, key_dir: Path) -> str | None:
