@@ -771,7 +771,7 @@ def _hook_monitor(module: Any) -> None:
     def handle_counted(
         *, backend: str, event: str, fn_name: str, detail: str | None = None
     ) -> None:
-        metrics.record_vllm_jit_event(backend, fn_name)
+        metrics.record_vllm_jit_event(backend, fn_name, state.forward_tokens)
         state.events.append({"backend": backend, "kernel": fn_name, "tokens": state.forward_tokens})
         dump()
         handle(backend=backend, event=event, fn_name=fn_name, detail=detail)
