@@ -43,7 +43,12 @@ def test_compiles_are_served_with_their_keys_and_labels_stay_bounded():
     assert any(k.key == "abc123" and k.toolchain == "triton" for k in keys)
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:
         text = answer.read().decode()
-    series = [line for line in text.splitlines() if 'kernel="learn_moe_kernel"' in line]
+    series = [
+        line
+        for line in text.splitlines()
+        if line.startswith("kernelcache_vllm_jit_events_total{")
+        and 'kernel="learn_moe_kernel"' in line
+    ]
     assert series == [
         'kernelcache_vllm_jit_events_total{backend="triton",kernel="learn_moe_kernel"} 301.0'
     ]
