@@ -77,8 +77,8 @@ def test_merge_takes_the_larger_count_and_the_earliest_time_and_stays_bounded():
     ("text", "message"),
     [
         ("[]", "record: not a learned record (expected an object with keys: [...])"),
-        ('{"keys": [{"kernel": "k"}]}', "record: keys: toolchain: Field required"),
-        ('{"keys": [{"toolchain": "vllm", "kernel": "k", "tokens": 0}]}', "record: keys: tokens"),
+        ('{"keys": [{"kernel": "k"}]}', "record: keys[0].toolchain: Field required"),
+        ('{"keys": [{"toolchain": "vllm", "kernel": "k", "tokens": 0}]}', "record: keys[0].tokens"),
         ('{"keys": [], "dropped": -1}', "record: dropped: expected a count, got -1"),
     ],
 )

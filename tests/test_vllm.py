@@ -365,6 +365,49 @@ def test_strict_after_ready_serves_a_compile_and_counts_it(built, tmp_path):
     assert rc == 1 and "JIT compilation during inference: sampler_kernel" in result["sweep_error"]
 
 
+def test_a_build_warms_what_serving_learned_before_the_monitor_arms(tmp_path):
+    """``--learned``: the record's token counts run before the monitor arms from the first
+    pass on, are recorded for serving's preload, and make a generation of their own."""
+    root, store = tmp_path / "vllm-root", tmp_path / "store"
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(root)))
+    record = {
+        "kind": "KernelCacheLearned",
+        "keys": [
+            {"toolchain": "vllm", "kernel": "fused_moe_kernel", "tokens": 41, "count": 3},
+            {"toolchain": "vllm", "kernel": "fused_moe_kernel", "tokens": 9},
+            {"toolchain": "triton", "kernel": "sampler_kernel", "key": "ab12"},
+        ],
+    }
+    (tmp_path / "learned.json").write_text(json.dumps(record))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp_path / "kc.yaml"),
+         "--store", str(store), "--learned", str(tmp_path / "learned.json")],
+        env=fake_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(next(store.glob("default/vq/*/*/MANIFEST.json")).read_text())
+    report = manifest["report"]["warmers"][0]
+    assert {9, 41} <= set(report["preload_sizes"])
+    assert report["passes"][0]["preload_seconds"] > 0  # run before the first monitor armed
+    assert manifest["stamp"]["factors"]["extra/learned_sizes"] == "9,41"
+    files = next(store.glob("default/vq/*/*/files"))
+    assert {9, 41} <= set(json.loads((files / "vllm-warmup/sizes.json").read_text())["sizes"])
+
+
+def test_a_bad_learned_record_is_one_line_before_anything_warms(tmp_path):
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root")))
+    (tmp_path / "learned.json").write_text('{"keys": [{"toolchain": "vllm", "tokens": 3}]}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp_path / "kc.yaml"),
+         "--store", str(tmp_path / "store"), "--learned", str(tmp_path / "learned.json")],
+        env=fake_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and not (tmp_path / "store").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"kernelcache: error: --learned {tmp_path / 'learned.json'}: keys[0].kernel: Field required"
+    ]
+
+
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
     pod = tmp_path / "pod"
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0

@@ -100,12 +100,14 @@ def parse(text: str | bytes, source: str) -> tuple[list[LearnedKey], int]:
     data = load_json(text, source, SpecError)
     if not isinstance(data, dict) or not isinstance(data.get("keys", []), list):
         raise SpecError(f"{source}: not a learned record (expected an object with keys: [...])")
-    try:
-        keys = [LearnedKey.model_validate(k) for k in data.get("keys", [])]
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise SpecError(f"{source}: keys: {where}: {first['msg']}") from None
+    keys = []
+    for index, entry in enumerate(data.get("keys", [])):
+        try:
+            keys.append(LearnedKey.model_validate(entry))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = "".join(f".{p}" for p in first["loc"])
+            raise SpecError(f"{source}: keys[{index}]{where}: {first['msg']}") from None
     dropped = data.get("dropped", 0)
     if not isinstance(dropped, int) or dropped < 0:
         raise SpecError(f"{source}: dropped: expected a count, got {dropped!r}")

@@ -201,7 +201,7 @@ def _app(metrics_app: Any) -> Callable[[dict[str, Any], Respond], Iterable[bytes
 
     def app(environ: dict[str, Any], respond: Respond) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != learned.PATH:
-            return metrics_app(environ, respond)  # type: ignore[no-any-return]
+            return metrics_app(environ, respond)
         body = json.dumps(learning.record()).encode()
         respond(
             "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]

@@ -37,7 +37,7 @@ from kernelcache.sources import ABSENT, SourceError, import_problem, module_sour
 
 if TYPE_CHECKING:
     from kernelcache.contract import Settings
-    from kernelcache.spec import GpuClass
+    from kernelcache.spec import GpuClass, LearnedKey
     from kernelcache.spec import Warmer as WarmerSpec
     from kernelcache.store import Manifest
 
@@ -177,10 +177,14 @@ class Warmer(ABC):
         config: WarmerSpec,
         spec_dir: Path | None = None,
         gpu_classes: Sequence[GpuClass] = (),
+        learned: Sequence[LearnedKey] = (),
     ) -> None:
         self.config = config
         self.spec_dir = spec_dir
         self.gpu_classes = list(gpu_classes)
+        # What serving compiled that an earlier generation lacked (``kernelcache.learned``):
+        # a warmer that can reproduce a key warms it too.
+        self.learned = list(learned)
 
     @property
     def label(self) -> str:

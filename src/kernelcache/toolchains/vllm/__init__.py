@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernelcache import learned
 from kernelcache.errors import StampMismatchError, StorageError, WarmError
 from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
@@ -155,7 +156,9 @@ class VllmWarmer(Warmer):
         root = Path(workload.cache_root)
         claim(root)
         env = dict(os.environ)
-        sizes: set[int] = set()
+        # What serving met after an earlier generation was ready runs before the monitor arms
+        # from the first pass on: compiled here, recorded, preloaded in serving.
+        sizes: set[int] = set(learned.sizes(self.learned))
         modules: set[str] = set()
         enumerated: Coverage | None = None
         coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
