@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from datetime import datetime, timezone
 
 import pytest
 
 from kernelcache import learned
+from kernelcache.controller.learning import configmap_data, endpoints, events, merged, read
 from kernelcache.errors import SpecError
 from kernelcache.runtime import learning, metrics
 from kernelcache.spec import LearnedKey
@@ -86,3 +88,75 @@ def test_a_bad_record_is_one_line_naming_the_field(text, message):
     with pytest.raises(SpecError) as caught:
         learned.parse(text, "record")
     assert caught.value.message.startswith(message) and "\n" not in caught.value.message
+
+
+# ------------------------------------------------------------------------------ the operator's side
+
+
+def pod(name: str, port: int | None = 9400, ready: bool = True, ip: str = "10.0.0.7") -> dict:
+    ports = [{"name": "kc-metrics", "containerPort": port}] if port else []
+    return {
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "engine", "ports": ports}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def test_only_ready_pods_with_a_metrics_port_are_asked():
+    pods = [pod("a"), pod("b", port=None), pod("c", ready=False), pod("d", ip="fd00::7")]
+    assert endpoints(pods) == {
+        "a": f"http://10.0.0.7:9400{learned.PATH}",
+        "d": f"http://[fd00::7]:9400{learned.PATH}",
+    }
+
+
+def test_a_silent_or_wrong_pod_is_one_line_and_the_others_are_read():
+    record = json.dumps(learned.document([key("moe", 17)], 2)).encode()
+
+    def fetch(url: str, timeout: float) -> bytes:
+        assert timeout == 0.5
+        if "silent" in url:
+            raise TimeoutError("timed out")
+        return b"<html>" if "wrong" in url else record
+
+    urls = {name: f"http://{name}/x" for name in ("good", "silent", "wrong")}
+    records, dropped, problems = read(urls, 0.5, fetch)
+    assert list(records) == ["good"] and records["good"][0].tokens == 17 and dropped == 2
+    assert problems == [
+        "pod silent http://silent/x: timed out",
+        "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0))",
+    ]
+
+
+NOW = datetime(2026, 12, 2, 15, 0, tzinfo=timezone.utc)
+
+
+def test_status_and_event_say_what_was_learned_and_only_once():
+    assert merged(None, {}, 0, NOW) is None  # nothing learned, ever: no status.learned
+    first = merged(None, {"pod-a": [key("moe", 17), key("moe", 33)]}, 0, NOW)
+    assert first == {
+        "keys": [
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 17, "count": 1},
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 33, "count": 1},
+        ],
+        "dropped": 0,
+        "pods": ["pod-a"],
+        "updatedAt": "2026-12-02T15:00:00Z",
+    }
+    assert [e.message for e in events(None, first)] == [
+        "learned 2 specializations from serving: the next build warms them"
+    ]
+    later = NOW.replace(hour=16)
+    again = merged(first, {"pod-a": [key("moe", 17)]}, 0, later)
+    assert again == first and events(first, again) == []  # no new keys: no write, no event
+    third = merged(first, {"pod-b": [key("moe", 65)]}, 0, later)
+    assert third["updatedAt"] == "2026-12-02T16:00:00Z" and third["pods"] == ["pod-b"]
+    assert [e.reason for e in events(first, third)] == ["Learned"]
+    assert "learned 1 specialization from" in events(first, third)[0].message
+    data = json.loads(configmap_data(third)["learned.json"])
+    assert learned.sizes(learned.parse(json.dumps(data), "cm")[0]) == [17, 33, 65]
+    assert configmap_data(None) == {}

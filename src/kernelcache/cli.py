@@ -173,7 +173,12 @@ def cmd_warm(args: argparse.Namespace) -> int:
         raise SpecError("--dry-run publishes nothing: there is nothing to --push")
     if args.progress or contract.PROGRESS.read(os.environ):
         progress.show()
-    learned_keys = _learned_keys(args.learned or contract.LEARNED.read(os.environ))
+    # The compile Job's variable names a file its spec ConfigMap holds only when serving had
+    # learned something: absent, nothing was.
+    from_job = contract.LEARNED.read(os.environ)
+    learned_keys = _learned_keys(
+        args.learned or (from_job if from_job and from_job.exists() else None)
+    )
     if args.dry_run:
         result = build.plan_arch(
             kc,

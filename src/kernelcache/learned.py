@@ -97,7 +97,10 @@ def document(keys: list[LearnedKey], dropped: int, **about: Any) -> dict[str, An
 def parse(text: str | bytes, source: str) -> tuple[list[LearnedKey], int]:
     """The keys and dropped count of a record (or of a ``status.learned``); bad input is one
     ``SpecError`` line naming ``source`` and the field."""
-    data = load_json(text, source, SpecError)
+    try:
+        data = load_json(text, source, SpecError)
+    except ValueError as exc:
+        raise SpecError(f"{source}: not JSON ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("keys", []), list):
         raise SpecError(f"{source}: not a learned record (expected an object with keys: [...])")
     keys = []

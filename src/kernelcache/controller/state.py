@@ -56,7 +56,7 @@ _PUBLISHED = {
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
 STATUS_KEYS = (
     "phase", "observedGeneration", "readyArches", "servingArches", "arches", "conditions",
-    "nodes",
+    "nodes", "learned",
 )  # fmt: skip
 
 

@@ -158,7 +158,8 @@ class VllmWarmer(Warmer):
         env = dict(os.environ)
         # What serving met after an earlier generation was ready runs before the monitor arms
         # from the first pass on: compiled here, recorded, preloaded in serving.
-        sizes: set[int] = set(learned.sizes(self.learned))
+        bound = workload.max_num_batched_tokens
+        sizes: set[int] = {n for n in learned.sizes(self.learned) if not bound or n <= bound}
         modules: set[str] = set()
         enumerated: Coverage | None = None
         coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
