@@ -160,3 +160,23 @@ def test_status_and_event_say_what_was_learned_and_only_once():
     data = json.loads(configmap_data(third)["learned.json"])
     assert learned.sizes(learned.parse(json.dumps(data), "cm")[0]) == [17, 33, 65]
     assert configmap_data(None) == {}
+
+
+def test_the_record_served_holds_what_sibling_processes_shared(tmp_path, monkeypatch):
+    """The engine core of ``vllm serve`` cannot bind the port its API server holds: its keys
+    reach the served record through the shared directory."""
+    monkeypatch.setattr(learning.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(learning, "_shared", None)
+    learning.share(9400)
+    metrics.record_vllm_jit_event("triton", "shared_moe", 17)
+    [own] = (tmp_path / "kernelcache-learned-9400").glob("*.json")
+    assert learned.parse(own.read_bytes(), "own")[0][0].tokens == 17
+    sibling = learned.document([key("shared_moe", 17, count=2), key("shared_moe", 33)], 1)
+    (tmp_path / "kernelcache-learned-9400" / "1.json").write_text(json.dumps(sibling))
+    (tmp_path / "kernelcache-learned-9400" / "2.json").write_text("{not json")  # skipped
+    keys, dropped = learned.parse(json.dumps(learning.record()), "record")
+    assert [(k.kernel, k.tokens, k.count) for k in keys] == [
+        ("shared_moe", 17, 3),
+        ("shared_moe", 33, 1),
+    ]
+    assert dropped == 1

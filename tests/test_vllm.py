@@ -408,6 +408,38 @@ def test_a_bad_learned_record_is_one_line_before_anything_warms(tmp_path):
     ]
 
 
+def test_what_the_engine_core_compiled_after_ready_is_in_the_pods_learned_record(built, tmp_path):
+    """The engine core compiles the sampler after ready; its key reaches the record that the
+    pod's metrics server serves (``runtime.learning``: shared beside the port)."""
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    port, temp = _free_port(), tmp_path / "temp"
+    temp.mkdir()
+    serving = served_env(
+        built, pod, FAKE_VLLM_SAMPLER_KERNEL="1", KERNELCACHE_METRICS_PORT=str(port),
+        TMPDIR=str(temp),
+    )  # fmt: skip
+    rc, result, log = drive(tmp_path, "learned", serving, runtime="serving")
+    assert rc == 0 and result["sweep_error"] is None, log
+    from kernelcache import learned
+
+    records = [
+        learned.parse(p.read_bytes(), p.name)[0]
+        for p in (temp / f"kernelcache-learned-{port}").glob("*.json")
+    ]
+    met = {(k.toolchain, k.kernel) for keys in records for k in keys}
+    assert ("vllm", "sampler_kernel[top_p=True]") in met and ("triton", "sampler_kernel") in met
+    assert all(k.key for keys in records for k in keys if k.toolchain == "triton")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
     pod = tmp_path / "pod"
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
