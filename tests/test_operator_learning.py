@@ -25,16 +25,18 @@ from kernelcache.crd import crd_manifest
 from kernelcache.spec import LearnedKey
 from tests.conftest import wait_until
 
-RECORD = learned.document(
-    [
-        LearnedKey(toolchain="vllm", kernel="fused_moe_kernel", tokens=41, count=3),
-        LearnedKey(toolchain="triton", kernel="sampler_kernel", key="ab12"),
-    ],
-    0,
-    cache="default/demo",
-    arch="sm_90a",
-    generation="g90",
-)
+SERVED = {
+    "record": learned.document(
+        [
+            LearnedKey(toolchain="vllm", kernel="fused_moe_kernel", tokens=41, count=3),
+            LearnedKey(toolchain="triton", kernel="sampler_kernel", key="ab12"),
+        ],
+        0,
+        cache="default/demo",
+        arch="sm_90a",
+        generation="g90",
+    )
+}
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def answering() -> Iterator[int]:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps(RECORD).encode() if self.path == learned.PATH else b""
+            body = json.dumps(SERVED["record"]).encode() if self.path == learned.PATH else b""
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -131,3 +133,13 @@ def test_what_ready_pods_compiled_is_in_status_an_event_and_the_next_build(
         keys, _ = learned.parse(data, "the spec ConfigMap")
         assert learned.sizes(keys) == [41]
         assert cluster.reasons("demo").count("Learned") == 1  # resyncs learn nothing new
+        # A key learned later is in status and said, and starts no build by itself.
+        jobs = cluster.job_names()
+        more = LearnedKey(toolchain="vllm", kernel="fused_moe_kernel", tokens=97)
+        SERVED["record"] = {
+            **SERVED["record"],
+            "keys": [*SERVED["record"]["keys"], more.model_dump()],
+        }
+        wait_until(lambda: cluster.reasons("demo").count("Learned") == 2, what="a second event")
+        assert len(cluster.status("demo")["learned"]["keys"]) == 3
+        assert cluster.job_names() == jobs
