@@ -25,18 +25,17 @@ from kernelcache.crd import crd_manifest
 from kernelcache.spec import LearnedKey
 from tests.conftest import wait_until
 
-SERVED = {
-    "record": learned.document(
-        [
-            LearnedKey(toolchain="vllm", kernel="fused_moe_kernel", tokens=41, count=3),
-            LearnedKey(toolchain="triton", kernel="sampler_kernel", key="ab12"),
-        ],
-        0,
-        cache="default/demo",
-        arch="sm_90a",
-        generation="g90",
-    )
-}
+RECORD = learned.document(
+    [
+        LearnedKey(toolchain="vllm", kernel="fused_moe_kernel", tokens=41, count=3),
+        LearnedKey(toolchain="triton", kernel="sampler_kernel", key="ab12"),
+    ],
+    0,
+    cache="default/demo",
+    arch="sm_90a",
+    generation="g90",
+)
+SERVED: dict[str, Any] = {}  # what the answering pod serves now
 
 
 @pytest.fixture
@@ -48,6 +47,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 @pytest.fixture
 def answering() -> Iterator[int]:
     """A pod's metrics server: the record at ``learned.PATH``."""
+    SERVED["record"] = RECORD
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
