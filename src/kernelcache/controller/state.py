@@ -497,6 +497,7 @@ def invalid_status(
         "servingArches": previous.get("servingArches"),
         "arches": previous.get("arches") or [],
         "conditions": _conditions(wanted, previous.get("conditions") or [], generation, now),
+        "learned": previous.get("learned"),  # what serving met holds whatever the spec says
     }
 
 
