@@ -370,6 +370,81 @@ def test_strict_after_ready_serves_a_compile_and_counts_it(built, tmp_path):
     assert rc == 1 and "JIT compilation during inference: sampler_kernel" in result["sweep_error"]
 
 
+def test_a_build_warms_what_serving_learned_before_the_monitor_arms(tmp_path):
+    """``--learned``: the record's token counts run before the monitor arms from the first
+    pass on, are recorded for serving's preload, and make a generation of their own."""
+    root, store = tmp_path / "vllm-root", tmp_path / "store"
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(root)))
+    record = {
+        "kind": "KernelCacheLearned",
+        "keys": [
+            {"toolchain": "vllm", "kernel": "fused_moe_kernel", "tokens": 41, "count": 3},
+            {"toolchain": "vllm", "kernel": "fused_moe_kernel", "tokens": 9},
+            {"toolchain": "triton", "kernel": "sampler_kernel", "key": "ab12"},
+        ],
+    }
+    (tmp_path / "learned.json").write_text(json.dumps(record))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp_path / "kc.yaml"),
+         "--store", str(store), "--learned", str(tmp_path / "learned.json")],
+        env=fake_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(next(store.glob("default/vq/*/*/MANIFEST.json")).read_text())
+    report = manifest["report"]["warmers"][0]
+    assert {9, 41} <= set(report["preload_sizes"])
+    assert report["passes"][0]["preload_seconds"] > 0  # run before the first monitor armed
+    assert manifest["stamp"]["factors"]["extra/learned_sizes"] == "9,41"
+    files = next(store.glob("default/vq/*/*/files"))
+    assert {9, 41} <= set(json.loads((files / "vllm-warmup/sizes.json").read_text())["sizes"])
+
+
+def test_a_bad_learned_record_is_one_line_before_anything_warms(tmp_path):
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root")))
+    (tmp_path / "learned.json").write_text('{"keys": [{"toolchain": "vllm", "tokens": 3}]}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp_path / "kc.yaml"),
+         "--store", str(tmp_path / "store"), "--learned", str(tmp_path / "learned.json")],
+        env=fake_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and not (tmp_path / "store").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"kernelcache: error: --learned {tmp_path / 'learned.json'}: keys[0].kernel: Field required"
+    ]
+
+
+def test_what_the_engine_core_compiled_after_ready_is_in_the_pods_learned_record(built, tmp_path):
+    """The engine core compiles the sampler after ready; its key reaches the record that the
+    pod's metrics server serves (``runtime.learning``: shared beside the port)."""
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    port, temp = _free_port(), tmp_path / "temp"
+    temp.mkdir()
+    serving = served_env(
+        built, pod, FAKE_VLLM_SAMPLER_KERNEL="1", KERNELCACHE_METRICS_PORT=str(port),
+        TMPDIR=str(temp),
+    )  # fmt: skip
+    rc, result, log = drive(tmp_path, "learned", serving, runtime="serving")
+    assert rc == 0 and result["sweep_error"] is None, log
+    from kernelcache import learned
+
+    records = [
+        learned.parse(p.read_bytes(), p.name)[0]
+        for p in (temp / f"kernelcache-learned-{port}").glob("*.json")
+    ]
+    met = {(k.toolchain, k.kernel) for keys in records for k in keys}
+    assert ("vllm", "sampler_kernel[top_p=True]") in met and ("triton", "sampler_kernel") in met
+    assert all(k.key for keys in records for k in keys if k.toolchain == "triton")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_strict_serving_refuses_an_incomplete_cache_root_before_the_engine(built, tmp_path):
     pod = tmp_path / "pod"
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0

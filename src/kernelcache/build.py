@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache import progress
+from kernelcache import learned, progress
 from kernelcache import stamp as stamps
 from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
@@ -39,7 +39,7 @@ from kernelcache.errors import (
     ended_by_interrupt,
     one_line,
 )
-from kernelcache.spec import KernelCache
+from kernelcache.spec import KernelCache, LearnedKey
 from kernelcache.store import FILES_DIR, Manifest, Store, fingerprint
 from kernelcache.toolchains import is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
@@ -141,10 +141,15 @@ def workload_of(kc: KernelCache, arch: str) -> list[dict[str, Any]]:
     ]
 
 
-def declared_factors(kc: KernelCache) -> dict[str, str]:
-    """What the spec declares about the serving side: a new model or image is a new generation."""
+def declared_factors(kc: KernelCache, learned_keys: Sequence[LearnedKey] = ()) -> dict[str, str]:
+    """What the spec declares about the serving side: a new model or image is a new generation.
+    So are the token counts serving learned (``extra/learned_sizes``, only when there are
+    any): a build that warms them is not the generation that lacked them."""
     image = image_reference(kc.spec.engine.image, kc.spec.engine.image_digest)
-    return {"model": kc.spec.model, "engine_image": image}
+    factors = {"model": kc.spec.model, "engine_image": image}
+    if sizes := learned.sizes(learned_keys):
+        factors["learned_sizes"] = ",".join(map(str, sizes))
+    return factors
 
 
 def tuning_product(kc: KernelCache, arch: str, detected: str | None) -> str | None:
@@ -198,9 +203,11 @@ def warm_arch(
     signing_key: Any = None,
     trusted: Sequence[Any] | None = None,
     force: bool = False,
+    learned_keys: Sequence[LearnedKey] = (),
 ) -> ArchResult:
     """Warm, seal and publish one arch; a no-op when the current generation has this stamp,
-    a re-point of CURRENT when a kept one has it (unless ``force``).
+    a re-point of CURRENT when a kept one has it (unless ``force``). ``learned_keys``: what
+    serving compiled (``kernelcache.learned``), warmed too.
 
     ``trusted``: the public keys serving pods verify with (the signing Secret's
     ``kernelcache.pub``). The signing key must be one of them (else pods would refuse what
@@ -210,7 +217,7 @@ def warm_arch(
     start = time.perf_counter()
     signer = fingerprint(signing_key) if signing_key is not None else None
     others = _rotated_out(signing_key, trusted)
-    configs, warmers, product, stamp = _arch_stamp(kc, spec_dir, arch)
+    configs, warmers, product, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys)
     key = cache_key(kc, arch)
 
     def waiting(holder: str) -> None:
@@ -266,13 +273,13 @@ def warm_arch(
 
 
 def _arch_stamp(
-    kc: KernelCache, spec_dir: Path | None, arch: str
+    kc: KernelCache, spec_dir: Path | None, arch: str, learned_keys: Sequence[LearnedKey] = ()
 ) -> tuple[list[Any], list[Any], str | None, stamps.Stamp]:
     """The arch's warmer configs, its warmers, the GPU product its tuning is for, and the
     stamp a warm would publish under (the key: computed before anything compiles)."""
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     configs = kc.spec.warmers_for(arch)
-    warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes)
+    warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
     stamp = stamps.collect(
@@ -280,7 +287,7 @@ def _arch_stamp(
         gpu_product=product,
         sources=sources,
         workload=workload_of(kc, arch),
-        extra=declared_factors(kc),
+        extra=declared_factors(kc, learned_keys),
         measured=sorted({name for w in warmers for name in w.measured_factors()}),
         sm_counts=[count for w in warmers for count in w.sm_counts(arch)],
         paths={name: path for w in warmers for name, path in w.path_factors().items()},
@@ -290,7 +297,13 @@ def _arch_stamp(
 
 
 def plan_arch(
-    kc: KernelCache, spec_dir: Path | None, store: Store, arch: str, *, force: bool = False
+    kc: KernelCache,
+    spec_dir: Path | None,
+    store: Store,
+    arch: str,
+    *,
+    force: bool = False,
+    learned_keys: Sequence[LearnedKey] = (),
 ) -> ArchResult:
     """What ``warm_arch`` would do for one arch, and why, with nothing compiled, locked or
     written: up to date (the current generation has the stamp), re-point a kept generation
@@ -298,7 +311,7 @@ def plan_arch(
     the factors that differ from the current generation's stamp. A signature is checked by
     the warm itself, not here."""
     start = time.perf_counter()
-    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch)
+    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys)
     key = cache_key(kc, arch)
     current = store.current_manifest(key)
     result = ArchResult(arch=arch, status=Status.WOULD_COMPILE, stamp=stamp.digest)
@@ -359,6 +372,7 @@ def build(
     public_key_path: Path | None = None,
     force: bool = False,
     dry_run: bool = False,
+    learned_path: Path | None = None,
     on_start: Callable[[str], None] = lambda arch: None,
     on_output: Callable[[str, str], None] = lambda arch, line: None,
     on_done: Callable[[ArchResult], None] = lambda result: None,
@@ -367,7 +381,8 @@ def build(
 
     ``on_output`` gets every line the warm process prints (its warmers' too), as it prints
     it, except its final error line: that becomes the failed result's message. ``dry_run``:
-    each says what it would do and why (``plan_arch``), compiling nothing.
+    each says what it would do and why (``plan_arch``), compiling nothing. ``learned_path``:
+    a learned record (``kernelcache.learned``) each warm adds to its workload.
     """
     results = []
     for arch in arches:
@@ -377,7 +392,11 @@ def build(
             store_root,
             arch,
             (signing_key_path, public_key_path),
-            [*(["--force"] if force else []), *(["--dry-run"] if dry_run else [])],
+            [
+                *(["--force"] if force else []),
+                *(["--dry-run"] if dry_run else []),
+                *(["--learned", str(learned_path)] if learned_path is not None else []),
+            ],
             functools.partial(on_output, arch),
         )
         on_done(result)

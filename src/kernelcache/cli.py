@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kernelcache import __version__, contract, nodemap, output
+from kernelcache import __version__, contract, learned, nodemap, output
 from kernelcache.errors import (
     EXIT_CODE_HELP,
     ExitCode,
@@ -98,6 +98,24 @@ def _trusted_keys(path: Path | None) -> Any:
     return load_public_keys(path)
 
 
+def _learned_path(path: Path | None) -> Path | None:
+    """A ``--learned`` record, checked here: one line, before any arch's warm starts."""
+    if path is not None:
+        _learned_keys(path)
+    return path
+
+
+def _learned_keys(path: Path | None) -> list[Any]:
+    """The keys of a learned record (``kernelcache.learned``): what serving compiled."""
+    if path is None:
+        return []
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"--learned {path}: {exc.strerror}") from None
+    return learned.parse(text, f"--learned {path}")[0]
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     """Warm every arch of a spec in its own process, seal and publish, then print a table.
 
@@ -122,6 +140,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             public_key_path=args.public_key,
             force=args.force,
             dry_run=args.dry_run,
+            learned_path=_learned_path(args.learned),
             on_start=view.started,
             on_output=view.line,
             on_done=view.done,
@@ -154,9 +173,20 @@ def cmd_warm(args: argparse.Namespace) -> int:
         raise SpecError("--dry-run publishes nothing: there is nothing to --push")
     if args.progress or contract.PROGRESS.read(os.environ):
         progress.show()
+    # The compile Job's variable names a file its spec ConfigMap holds only when serving had
+    # learned something: absent, nothing was.
+    from_job = contract.LEARNED.read(os.environ)
+    learned_keys = _learned_keys(
+        args.learned or (from_job if from_job and from_job.exists() else None)
+    )
     if args.dry_run:
         result = build.plan_arch(
-            kc, args.file.resolve().parent, Store(args.store), arch, force=args.force
+            kc,
+            args.file.resolve().parent,
+            Store(args.store),
+            arch,
+            force=args.force,
+            learned_keys=learned_keys,
         )
     else:
         result = build.warm_arch(
@@ -167,6 +197,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             signing_key=_signing_key(args.signing_key),
             trusted=_trusted_keys(args.public_key),
             force=args.force,
+            learned_keys=learned_keys,
         )
     if args.push:
         result.artifact = _push(args, kc, arch, result.generation)
@@ -819,6 +850,15 @@ def build_parser() -> argparse.ArgumentParser:
             "signing key must be one; a generation signed by another is re-signed, not rebuilt",
         )
 
+    def learned_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--learned",
+            type=_path,
+            metavar="FILE",
+            help=f"a learned record (JSON, what a serving pod serves at {learned.PATH}, or "
+            f"{contract.LEARNED.name}): its keys are warmed too",
+        )
+
     p = add("build", cmd_build, "warm, seal and publish every arch of a spec")
     p.add_argument("-f", "--file", type=_path, required=True, help="KernelCache YAML")
     store_arg(p)
@@ -826,6 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign manifests")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    learned_arg(p)
     dry_run_arg(p)
     json_arg(p, "build.json")
 
@@ -836,6 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", type=_path, help="ed25519 private key to sign the manifest")
     trusted_arg(p)
     p.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    learned_arg(p)
     dry_run_arg(p)
     p.add_argument("--result", type=_path, help="write the result as JSON here")
     p.add_argument(

@@ -41,6 +41,7 @@ __all__ = [
     "OCI_ANNOTATION_LAYER",
     "OCI_ANNOTATION_STAMP",
     "POLICIES",
+    "PORT_METRICS",
     "REPORT_FILE",
     "VARIABLES",
     "CacheKey",
@@ -65,6 +66,9 @@ ANNOTATION_CACHE = "kernelcache.dev/cache"
 LABEL_CACHE = "kernelcache.dev/cache"
 ANNOTATION_IMAGE_POLICY = "kernelcache.dev/image-policy"
 ANNOTATION_CONTAINERS = "kernelcache.dev/containers"
+# A serving container's port of KERNELCACHE_METRICS_PORT: scraped by the chart's PodMonitor,
+# and where the operator reads what the pod learned (``learned.PATH``).
+PORT_METRICS = "kc-metrics"
 
 # --------------------------------------------------------------------------- OCI artifacts
 
@@ -243,6 +247,12 @@ POLL_S = Variable(
     _count(float, 0),
 )
 PROGRESS = Variable("KERNELCACHE_PROGRESS", False, "1: print each compile to stderr", _flag)
+LEARNED = Variable[Path | None](
+    "KERNELCACHE_LEARNED",
+    None,
+    "a learned record (JSON) whose keys the warm adds (the compile Job's; warm --learned)",
+    _path,
+)
 
 
 def _sizes(name: str, text: str) -> tuple[int, ...]:
@@ -364,6 +374,7 @@ class Settings:
     )
     poll_seconds: Annotated[float, POLL_S] = POLL_S.default
     progress: Annotated[bool, PROGRESS] = PROGRESS.default
+    learned: Annotated[Path | None, LEARNED] = LEARNED.default
     vllm_sizes: Annotated[tuple[int, ...] | None, VLLM_SIZES] = VLLM_SIZES.default
     vllm_state_dir: Annotated[Path | None, VLLM_STATE_DIR] = VLLM_STATE_DIR.default
     vllm_coverage: Annotated[str | None, VLLM_COVERAGE] = VLLM_COVERAGE.default

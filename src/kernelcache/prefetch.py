@@ -36,10 +36,9 @@ from typing import Any
 from kernelcache.errors import StorageError
 from kernelcache.store import Manifest, Store, load_public_keys, materialize, verify
 from kernelcache.store.fs import io_errors
-from kernelcache.store.layout import MANIFEST_NAME
+from kernelcache.store.layout import LOCK_NAME, MANIFEST_NAME
 from kernelcache.store.locking import lock
 from kernelcache.store.prefetched import (
-    LOCK_NAME,
     Wanted,
     all_wanted,
     copies,

@@ -911,6 +911,34 @@ class NodeStatus(BaseModel):
     message: str | None = Field(default=None, description="Why it failed, in one line.")
 
 
+class LearnedKey(BaseModel):
+    """One specialization serving compiled that its generation lacked (``kernelcache.learned``)."""
+
+    model_config = _STATUS_CONFIG
+
+    toolchain: str = Field(max_length=64, description="The toolchain that compiled it.")
+    kernel: str = Field(max_length=200, description="The kernel (function or module) name.")
+    key: str | None = Field(
+        default=None, max_length=200, description="Its specialization key (Triton's hash)."
+    )
+    tokens: int | None = Field(
+        default=None, ge=1, description="The token count of the vLLM forward it was met in."
+    )
+    count: int = Field(default=1, ge=1, description="Times it was met, summed over pods.")
+    first_seen: str | None = Field(default=None, description="When first met (RFC 3339).")
+
+
+class LearnedStatus(BaseModel):
+    """What serving pods compiled after they were ready: the next build warms it."""
+
+    model_config = _STATUS_CONFIG
+
+    keys: list[LearnedKey] = Field(default_factory=list, description="Distinct keys, bounded.")
+    dropped: int = Field(default=0, ge=0, description="Keys left out past the bound.")
+    pods: list[str] = Field(default_factory=list, description="The pods last read from.")
+    updated_at: str | None = Field(default=None, description="When keys last changed.")
+
+
 class KernelCacheStatus(BaseModel):
     """Observed state, written by the operator."""
 
@@ -935,6 +963,9 @@ class KernelCacheStatus(BaseModel):
     nodes: list[NodeStatus] = Field(
         default_factory=list,
         description="With node-local prefetch: each GPU node's copy of its arch's generation.",
+    )
+    learned: LearnedStatus | None = Field(
+        default=None, description="Specializations serving compiled: the next build warms them."
     )
 
 

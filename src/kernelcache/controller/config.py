@@ -64,6 +64,10 @@ class OperatorConfig(BaseModel):
     # events, and the clock that starts a retry once its backoff has passed.
     resync_seconds: float = Field(default=30.0, gt=0)
 
+    # Each resync reads what the KernelCache's ready serving pods compiled (controller.learning)
+    # with this deadline per pod; a pod that does not answer in time is skipped. 0: no learning.
+    learn_timeout_seconds: float = Field(default=2.0, ge=0)
+
     # Where compile Jobs mount the cache volume (passed to `kernelcache warm --store`).
     store_mount_path: str = "/var/lib/kernelcache"
 

@@ -42,6 +42,7 @@ from kernelcache.contract import (
     LABEL_COMPONENT,
     LABEL_DIGEST,
     LABEL_MANAGED_BY,
+    LEARNED,
     MANAGED_BY,
     PROGRESS,
     image_reference,
@@ -64,6 +65,8 @@ KEPT_FILE = "kept.yaml"  # the spec of a KernelCache deleted with its data kept
 
 SPEC_DIR = "/etc/kernelcache/spec"
 SPEC_FILE = "kernelcache.yaml"
+# Beside it, when serving had learned anything as the ConfigMap was made (controller.learning).
+LEARNED_FILE = "learned.json"
 SIGNING_DIR = "/etc/kernelcache/signing"
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -377,6 +380,8 @@ def compile_job(
             # Each warmer and kernel in the Job's log; an older kernelcache in the engine
             # image ignores the variable, where it would refuse a flag it does not know.
             {"name": PROGRESS.name, "value": "1"},
+            # What serving learned, warmed too; absent from the ConfigMap when nothing was.
+            {"name": LEARNED.name, "value": f"{SPEC_DIR}/{LEARNED_FILE}"},
         ],
         "resources": resources,
         "securityContext": _CONTAINER_SECURITY,

@@ -59,7 +59,7 @@ _PUBLISHED = {
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
 STATUS_KEYS = (
     "phase", "observedGeneration", "readyArches", "servingArches", "arches", "conditions",
-    "nodes",
+    "nodes", "learned",
 )  # fmt: skip
 
 
@@ -589,6 +589,7 @@ def invalid_status(
         "servingArches": previous.get("servingArches"),
         "arches": previous.get("arches") or [],
         "conditions": conditions,
+        "learned": previous.get("learned"),  # what serving met holds whatever the spec says
     }
 
 

@@ -50,7 +50,7 @@ from kernelcache.errors import (
     MissingGenerationError,
     StorageError,
 )
-from kernelcache.runtime import metrics
+from kernelcache.runtime import learning, metrics
 from kernelcache.runtime.metrics import serve_metrics
 from kernelcache.toolchains import toolchains
 from kernelcache.toolchains.base import Serving, Toolchain
@@ -111,6 +111,7 @@ def install(generation_dir: str | os.PathLike[str] | None = None) -> Runtime:
     for toolchain in toolchains():
         toolchain.observe(_serving_for(toolchain, serving))
     if config.metrics_port:
+        learning.share(config.metrics_port)
         runtime.metrics_port = _serve(config)
     _installed = runtime
     return runtime

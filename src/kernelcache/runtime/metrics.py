@@ -24,14 +24,30 @@ Series (``toolchain`` is one of ``TOOLCHAINS``):
 The per-toolchain hit and histogram series exist at zero from the start, so the first event
 already shows up in ``rate()`` and ``increase()``. A per-kernel series is born with its first
 compile; the alert rules account for that (``prometheus/kernelcache-rules.yaml``).
+
+A label never holds a specialization (a token count, a hash): each compile's full key goes to
+``runtime.learning``, served as JSON at ``learned.PATH`` by the same server, for the next build.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import (
+    ThreadingWSGIServer,
+    _get_best_family,
+    _SilentHandler,
+    make_wsgi_app,
+)
+
+from kernelcache import learned
+from kernelcache.runtime import learning
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +113,14 @@ for _toolchain in TOOLCHAINS:
     COMPILE_SECONDS.labels(_toolchain)
 
 
-def record_compile(toolchain: str, kernel: str, seconds: float | None, count: int = 1) -> None:
-    """A compile the cache did not spare; ``seconds`` is None when strict mode refused it."""
+def record_compile(
+    toolchain: str, kernel: str, seconds: float | None, count: int = 1, key: str | None = None
+) -> None:
+    """A compile the cache did not spare; ``seconds`` is None when strict mode refused it;
+    ``key``: its specialization (Triton's hash), kept for the next build, never a label."""
     kernel = kernel[:_MAX_KERNEL_LABEL]
     COLD_COMPILES.labels(toolchain, kernel).inc(count)
+    learning.note(toolchain, kernel, key)
     if seconds is None:
         log.warning("kernelcache: %s kernel %s not in the cache: refused", toolchain, kernel)
         return
@@ -114,6 +134,7 @@ def record_compile_elsewhere(toolchain: str, kernel: str) -> None:
     """A compile seen only by its output, made by another process sharing the cache."""
     kernel = kernel[:_MAX_KERNEL_LABEL]
     COLD_COMPILES.labels(toolchain, kernel).inc()
+    learning.note(toolchain, kernel)
     log.warning(
         "kernelcache: cold compile in another process sharing the cache: %s kernel %s",
         toolchain,
@@ -135,6 +156,7 @@ def record_verify_failure(reason: str) -> None:
 
 def set_generation(name: str, arch: str, generation: str, stamp: str, mismatch: bool) -> None:
     GENERATION_INFO.labels(name, arch, generation, stamp).set(1)
+    learning.serving(name, arch, generation)
     STAMP_MISMATCH.set(1 if mismatch else 0)
 
 
@@ -149,8 +171,10 @@ def cold_compiles() -> dict[tuple[str, str], float]:
     }
 
 
-def record_vllm_jit_event(backend: str, kernel: str) -> None:
+def record_vllm_jit_event(backend: str, kernel: str, tokens: int | None = None) -> None:
+    """A monitor event; ``tokens`` (the forward's) is kept for the next build, never a label."""
     VLLM_JIT_EVENTS.labels(backend, kernel[:_MAX_KERNEL_LABEL]).inc()
+    learning.note("vllm", kernel, tokens=tokens)
 
 
 def compile_seconds() -> dict[str, float]:
@@ -169,7 +193,33 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
+Respond = Callable[[str, list[tuple[str, str]]], Any]
+
+
+def _app(metrics_app: Any) -> Callable[[dict[str, Any], Respond], Iterable[bytes]]:
+    """``learned.PATH``: this process's learned record as JSON; any other path: the metrics."""
+
+    def app(environ: dict[str, Any], respond: Respond) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != learned.PATH:
+            return metrics_app(environ, respond)
+        body = json.dumps(learning.record()).encode()
+        respond(
+            "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        )
+        return [body]
+
+    return app
+
+
 def serve_metrics(port: int, address: str = "0.0.0.0") -> int:
-    """Serve ``/metrics`` from a daemon thread; the bound port (``port=0``: any free one)."""
-    server, _ = start_http_server(port, addr=address, registry=REGISTRY)
+    """Serve ``/metrics`` and ``learned.PATH`` from a daemon thread; the bound port
+    (``port=0``: any free one)."""
+
+    class Server(ThreadingWSGIServer):
+        """prometheus-client's own server, of the address's family (IPv6 too)."""
+
+    Server.address_family, address = _get_best_family(address, port)
+    app = _app(make_wsgi_app(REGISTRY))
+    server = make_server(address, port, app, Server, handler_class=_SilentHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     return int(server.server_port)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from kernelcache.errors import SpecError, WarmError
 
 if TYPE_CHECKING:
-    from kernelcache.spec import GpuClass
+    from kernelcache.spec import GpuClass, LearnedKey
     from kernelcache.spec import Warmer as WarmerSpec
     from kernelcache.toolchains.base import Toolchain, Warmer
 
@@ -97,10 +97,14 @@ def warmer_class(kind: str) -> type[Warmer]:
 
 
 def make_warmers(
-    configs: list[WarmerSpec], spec_dir: Path | None = None, gpu_classes: Sequence[GpuClass] = ()
+    configs: list[WarmerSpec],
+    spec_dir: Path | None = None,
+    gpu_classes: Sequence[GpuClass] = (),
+    learned: Sequence[LearnedKey] = (),
 ) -> list[Warmer]:
-    """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names none)."""
+    """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names
+    none) and what serving learned."""
     return [
-        warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)])
+        warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)], learned)
         for c in configs
     ]

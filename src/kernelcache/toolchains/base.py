@@ -38,7 +38,7 @@ from kernelcache.sources import ABSENT, SourceError, import_problem, module_sour
 
 if TYPE_CHECKING:
     from kernelcache.contract import Settings
-    from kernelcache.spec import GpuClass
+    from kernelcache.spec import GpuClass, LearnedKey
     from kernelcache.spec import Warmer as WarmerSpec
     from kernelcache.store import Manifest
 
@@ -178,12 +178,16 @@ class Warmer(ABC):
         config: WarmerSpec,
         spec_dir: Path | None = None,
         gpu_classes: Sequence[GpuClass] = (),
+        learned: Sequence[LearnedKey] = (),
     ) -> None:
         self.config = config
         self.spec_dir = spec_dir
         self.gpu_classes = list(gpu_classes)
         # A line of the warmer's own output that says the disk is full (``volume_full``).
         self.said_full: str | None = None
+        # What serving compiled that an earlier generation lacked (``kernelcache.learned``):
+        # a warmer that can reproduce a key warms it too.
+        self.learned = list(learned)
 
     @property
     def label(self) -> str:

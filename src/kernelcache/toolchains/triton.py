@@ -258,7 +258,7 @@ def _install(strict: bool, poll_seconds: float | None) -> None:
 
     def compiled(kernel: str, seconds: float, kernel_hash: str) -> None:
         compiled_here.add(triton_cache_entry(kernel_hash))
-        metrics.record_compile("triton", kernel, seconds)
+        metrics.record_compile("triton", kernel, seconds, key=kernel_hash)
 
     listen(compiled, lambda: metrics.record_hit("triton"))
     if poll_seconds is not None:

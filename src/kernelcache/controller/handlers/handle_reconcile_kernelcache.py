@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from kernelcache.contract import LABEL_ARCH
-from kernelcache.controller import manifests, metrics, modes, signing, state
+from kernelcache.controller import learning, manifests, metrics, modes, signing, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
 from kernelcache.errors import SpecError
@@ -123,6 +123,7 @@ def _reconcile_once(
         kube.delete(jobs_path(namespace, stale))
 
     current = state.jobs_by_arch(jobs, digest)
+    learned = learning.learn(kube, config, kc, previous.get("learned"), now)
     previous_current = previous.get("observedGeneration") == generation
     before = {a.get("arch"): a for a in previous.get("arches") or []}
     if not before:  # a new object: what an earlier one of this name published still serves
@@ -150,7 +151,7 @@ def _reconcile_once(
         )
         if plan.create_attempt is not None:
             if not prepared:  # what Jobs mount; made only when one is due (steady state: no writes)
-                _prepare(kube, kc, owner, digest)
+                _prepare(kube, kc, owner, digest, learned)
                 prepared = True
             new = manifests.compile_job(
                 kc,
@@ -166,7 +167,7 @@ def _reconcile_once(
         plans.append(plan)
     unfinished = [p.job for p in plans if p.job and state.job_state(p.job) in state.UNFINISHED]
     if unfinished and not prepared:  # deleted under a waiting Job (a prune): its pod needs them
-        _prepare(kube, kc, owner, digest)
+        _prepare(kube, kc, owner, digest, learned)
     trust = signing.trust_condition(kc, [p.status for p in plans], secret)
     status = state.summarize(
         plans,
@@ -178,7 +179,9 @@ def _reconcile_once(
     )
     if config.prefetch_root:
         status["nodes"] = _prefetch(kube, config, body, kc, status, owner)
+    status["learned"] = learned
     reconciled = _write(kube, body, previous, status, "ok", events, plans)
+    events.extend(learning.events(previous.get("learned"), learned))  # the write landed
     if published := state.published(status):
         _record(kube, kc, uid, published)
     return reconciled
@@ -264,15 +267,20 @@ def _record(kube: Kube, kc: KernelCache, uid: str, arches: dict[str, Any]) -> No
     kube.patch(where, {"data": {**record["data"], manifests.KEPT_FILE: None}})
 
 
-def _prepare(kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str) -> None:
+def _prepare(
+    kube: Kube, kc: KernelCache, owner: dict[str, Any], digest: str, learned: dict[str, Any] | None
+) -> None:
     """Create the claim (from spec.storage.pvc) and the spec ConfigMap, unless they exist:
-    when a Job is due, and while one has not finished (they may have been deleted since)."""
+    when a Job is due, and while one has not finished (they may have been deleted since). The
+    ConfigMap holds what serving learned so far, fixed for this spec's Jobs."""
     namespace = kc.metadata.namespace
     if kc.spec.storage.pvc is not None:
         kube.create(
             path("v1", "persistentvolumeclaims", namespace), manifests.claim(kc, owner["uid"])
         )
-    kube.create(path("v1", "configmaps", namespace), manifests.spec_configmap(kc, owner, digest))
+    configmap = manifests.spec_configmap(kc, owner, digest)
+    configmap["data"].update(learning.configmap_data(learned))
+    kube.create(path("v1", "configmaps", namespace), configmap)
 
 
 def _write(

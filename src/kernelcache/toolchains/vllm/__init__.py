@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernelcache import learned
 from kernelcache.errors import ColdCompileError, StampMismatchError, StorageError, WarmError
 from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
@@ -155,7 +156,10 @@ class VllmWarmer(Warmer):
         root = Path(workload.cache_root)
         claim(root)
         env = dict(os.environ)
-        sizes: set[int] = set()
+        # What serving met after an earlier generation was ready runs before the monitor arms
+        # from the first pass on: compiled here, recorded, preloaded in serving.
+        bound = workload.max_num_batched_tokens
+        sizes: set[int] = {n for n in learned.sizes(self.learned) if not bound or n <= bound}
         modules: set[str] = set()
         enumerated: Coverage | None = None
         coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
@@ -771,7 +775,7 @@ def _hook_monitor(module: Any) -> None:
     def handle_counted(
         *, backend: str, event: str, fn_name: str, detail: str | None = None
     ) -> None:
-        metrics.record_vllm_jit_event(backend, fn_name)
+        metrics.record_vllm_jit_event(backend, fn_name, state.forward_tokens)
         state.events.append({"backend": backend, "kernel": fn_name, "tokens": state.forward_tokens})
         dump()
         handle(backend=backend, event=event, fn_name=fn_name, detail=detail)
