@@ -11,13 +11,13 @@ read or trusted: only what serving met travels, and the warm compiles it itself.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from kernelcache.documents import load_json
 from kernelcache.errors import SpecError
-from kernelcache.spec import LearnedKey
+
+if TYPE_CHECKING:  # the serving side imports this module and no pydantic (its record is JSON)
+    from kernelcache.spec import LearnedKey
 
 PATH = "/kernelcache/learned"  # served by the runtime's metrics server
 LIMIT = 256  # distinct keys a record or a status holds; the rest are counted as dropped
@@ -103,6 +103,10 @@ def parse(text: str | bytes, source: str) -> tuple[list[LearnedKey], int]:
         raise SpecError(f"{source}: not JSON ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("keys", []), list):
         raise SpecError(f"{source}: not a learned record (expected an object with keys: [...])")
+    from pydantic import ValidationError
+
+    from kernelcache.spec import LearnedKey
+
     keys = []
     for index, entry in enumerate(data.get("keys", [])):
         try:

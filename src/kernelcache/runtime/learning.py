@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache import learned
-from kernelcache.errors import SpecError
-from kernelcache.spec import LearnedKey
+
+# A key as the record serves it (``spec.LearnedKey``'s JSON): plain dicts, since the serving
+# side imports no pydantic.
+Key = dict[str, Any]
 
 _lock = threading.Lock()
-_keys: dict[learned.Identity, LearnedKey] = {}
+_keys: dict[tuple[Any, ...], Key] = {}
 _dropped = 0
 _about: dict[str, str] = {}
 _shared: Path | None = None
@@ -41,29 +43,33 @@ def share(port: int) -> None:
         _shared.mkdir(mode=0o700, exist_ok=True)
 
 
+def _identity(key: Key) -> tuple[Any, ...]:
+    """``learned.identity`` of a key in its JSON form."""
+    return (key["toolchain"], key["kernel"], key.get("key") or "", key.get("tokens") or 0)
+
+
 def note(toolchain: str, kernel: str, key: str | None = None, tokens: int | None = None) -> None:
     """One compile (or JIT event) that serving met."""
     global _dropped
-    entry = LearnedKey(
-        toolchain=toolchain,
-        kernel=kernel[:200],
-        key=key[:200] if key else None,
-        tokens=tokens if tokens and tokens > 0 else None,
-        first_seen=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    )
+    entry: Key = {"toolchain": toolchain[:64], "kernel": kernel[:200], "count": 1}
+    if key:
+        entry["key"] = key[:200]
+    if tokens and tokens > 0:
+        entry["tokens"] = tokens
+    entry["firstSeen"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with _lock:
-        seen = _keys.get(learned.identity(entry))
+        seen = _keys.get(_identity(entry))
         if seen is not None:
-            seen.count += 1
+            seen["count"] += 1
         elif len(_keys) < learned.LIMIT:
-            _keys[learned.identity(entry)] = entry
+            _keys[_identity(entry)] = entry
         else:
             _dropped += 1
         own, dropped = _own()
     if _shared is not None:  # compiles in serving are rare: one small write each
         path = _shared / f"{os.getpid()}.json"
         with contextlib.suppress(OSError):
-            path.with_suffix(".tmp").write_text(json.dumps(learned.document(own, dropped)))
+            path.with_suffix(".tmp").write_text(json.dumps(_document(own, dropped)))
             os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -72,26 +78,42 @@ def serving(name: str, arch: str, generation: str) -> None:
     _about.update(cache=name, arch=arch, generation=generation)
 
 
-def _own() -> tuple[list[LearnedKey], int]:
+def _own() -> tuple[list[Key], int]:
     """This process's keys (copies) and dropped count; called under the lock."""
-    return [k.model_copy() for k in _keys.values()], _dropped
+    return [dict(k) for k in _keys.values()], _dropped
+
+
+def _document(keys: list[Key], dropped: int, **about: Any) -> dict[str, Any]:
+    return {"kind": learned.KIND, **about, "keys": keys, "dropped": dropped}
 
 
 def record() -> dict[str, Any]:
-    """The record as served: this process's keys and those its sibling processes shared."""
+    """The record as served: this process's keys and those its sibling processes shared
+    (summed by key, bounded as the operator bounds them; it validates what it reads)."""
     with _lock:
         own, dropped = _own()
-    records = [own]
+    merged = {_identity(k): k for k in own}
     siblings = _shared.glob("*.json") if _shared is not None else []
     for path in siblings:
         if path.stem == str(os.getpid()):
             continue
-        with contextlib.suppress(OSError, SpecError):
-            keys, over = learned.parse(path.read_bytes(), str(path))
-            records.append(keys)
-            dropped += over
-    keys, over = learned.merge([], records)
-    return learned.document(keys, dropped + over, pid=os.getpid(), **_about)
+        try:
+            data = json.loads(path.read_bytes())
+            dropped += int(data.get("dropped", 0))
+            for key in data["keys"]:
+                if not isinstance(key.get("count"), int) or not isinstance(key["kernel"], str):
+                    continue
+                seen = merged.get(_identity(key))
+                if seen is None:
+                    merged[_identity(key)] = dict(key)
+                else:
+                    seen["count"] += int(key.get("count", 1))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a sibling writing or gone: its keys come with the next read
+    ranked = sorted(merged.values(), key=lambda k: (-k["count"], _identity(k)))
+    kept = sorted(ranked[: learned.LIMIT], key=_identity)
+    extra = len(ranked) - len(kept)
+    return _document(kept, dropped + extra, pid=os.getpid(), **_about)
 
 
 def forget() -> None:
