@@ -46,7 +46,7 @@ demo: $(VENV)/.installed
 # spent waiting on the processes they start, so more workers than cores pay. Each file stays on
 # one worker, in order (a module's fixtures are built once; some files' tests build on the ones
 # before), files with slow tests first. test-quick leaves out the `slow` ones.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 6
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: $(VENV)/.installed-test

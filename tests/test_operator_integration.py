@@ -309,9 +309,10 @@ def test_a_warmer_that_fills_the_volume_is_named_a_full_volume_in_status(
     assert result["message"].startswith(f"command warmer: {command[0]} exited with 1 for sm_90a")
     with operator(cluster):
         cluster.apply(example(gpuClasses=[example()["spec"]["gpuClasses"][0]]))
-        for _ in range(2):  # both attempts: the volume stays full
-            cluster.finish(cluster.run("demo", "sm_90a"), failed=True, message=message)
-            failed = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Failed")
+        for attempt in (0, 1):  # both attempts: the volume stays full
+            job = cluster.run("demo", "sm_90a", attempt)
+            cluster.finish(job, failed=True, message=message)
+        failed = cluster.arch_when("demo", "sm_90a", lambda a: a["phase"] == "Failed")
         assert "No space left on device" in failed["message"], failed
         events = [e for e in cluster.events("demo") if e["reason"] == "CompileFailed"]
         assert events and "No space left on device" in events[-1]["message"]

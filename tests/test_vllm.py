@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -472,22 +473,27 @@ def test_the_engines_model_is_held_to_the_generations(built, tmp_path):
 
 def test_a_warm_whose_engine_core_runs_without_kernelcaches_hooks_fails_saying_so(tmp_path):
     """An image where kernelcache is not installed in vLLM's interpreter (no .pth hook): the
-    engine core counts nothing, so a pass that saw no JIT proves nothing."""
-    import os
+    engine core counts nothing, so a pass that saw no JIT proves nothing.
+
+    An interpreter of its own (a venv whose site directory holds no .pth hook; the packages
+    come on PYTHONPATH, where ``site`` runs no .pth file): the shared environment's
+    site-packages may hold another test's hook at any moment."""
     import sysconfig
 
-    purelib = Path(sysconfig.get_path("purelib"))
-    [installed] = purelib.glob(f"zz_test_vllm_{os.getpid()}_*.pth")  # runtime_hook's
-    aside = installed.with_suffix(".off")
-    installed.rename(aside)
-    try:
-        (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root")))
-        proc = run_kernelcache(
-            "build", "-f", str(tmp_path / "kc.yaml"), "--store", str(tmp_path / "store"),
-            PYTHONPATH=fake_env()["PYTHONPATH"], PATH=fake_env()["PATH"],
-        )  # fmt: skip
-    finally:
-        aside.rename(installed)
+    venv = tmp_path / "venv"
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    env = fake_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], sysconfig.get_path("purelib")])
+    (tmp_path / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp_path / "root")))
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "kernelcache", "build", "-f",
+         str(tmp_path / "kc.yaml"), "--store", str(tmp_path / "store")],
+        env=env, capture_output=True, text=True, timeout=scaled(600),
+    )  # fmt: skip
     assert proc.returncode == 11, proc.stderr
     assert "kernelcache's hooks did not run in vLLM's engine core process" in proc.stderr
     assert not list((tmp_path / "store").glob("default/vq/*/*/MANIFEST.json"))

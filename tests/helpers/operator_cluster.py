@@ -120,9 +120,22 @@ class Cluster:
         status.update({"failed": 1} if failed else {"succeeded": 1, "completionTime": now})
         self.kube.patch(jobs_path(NS, meta["name"]) + "/status", {"status": status})
 
-    def run(self, name: str, arch: str) -> dict[str, Any]:
-        """Wait for the newest compile Job of an arch to exist; mark it running."""
-        jobs = wait_until(lambda: self.jobs(**{LABEL_ARCH: arch}), what=f"a Job for {arch}")
+    def run(self, name: str, arch: str, attempt: int | None = None) -> dict[str, Any]:
+        """Wait for the newest compile Job of an arch (or its ``attempt``) to exist; mark it
+        running."""
+
+        def attempts() -> list[dict[str, Any]]:
+            jobs = self.jobs(**{LABEL_ARCH: arch})
+            number = LABEL_ATTEMPT
+            return [
+                j
+                for j in jobs
+                if attempt is None or int(j["metadata"]["labels"][number]) == attempt
+            ]
+
+        jobs = wait_until(
+            attempts, what=f"a Job for {arch}" + (f", attempt {attempt}" if attempt is not None else "")
+        )
         job = max(jobs, key=lambda j: int(j["metadata"]["labels"][LABEL_ATTEMPT]))
         self.kube.patch(
             jobs_path(NS, job["metadata"]["name"]) + "/status", {"status": {"active": 1}}
