@@ -134,7 +134,8 @@ class Cluster:
             ]
 
         jobs = wait_until(
-            attempts, what=f"a Job for {arch}" + (f", attempt {attempt}" if attempt is not None else "")
+            attempts,
+            what=f"a Job for {arch}" + (f", attempt {attempt}" if attempt is not None else ""),
         )
         job = max(jobs, key=lambda j: int(j["metadata"]["labels"][LABEL_ATTEMPT]))
         self.kube.patch(
