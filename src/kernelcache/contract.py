@@ -275,6 +275,13 @@ VLLM_COVERAGE = Variable[str | None](
     "generation's (the warm's later passes), or `enumerate` (the warm's first pass)",
     _text,
 )
+VLLM_MOE_TUNING = Variable[str | None](
+    "KERNELCACHE_VLLM_MOE_TUNING",
+    None,
+    "the warm's first pass: tune the fused-MoE configs before vLLM's warm-up, as JSON "
+    "(`mode`, `budget_seconds` of spec.warmers[].workload.moeTuning)",
+    _text,
+)
 VLLM_STATE_DIR = Variable[Path | None](
     "KERNELCACHE_VLLM_STATE_DIR",
     None,
@@ -378,6 +385,7 @@ class Settings:
     vllm_sizes: Annotated[tuple[int, ...] | None, VLLM_SIZES] = VLLM_SIZES.default
     vllm_state_dir: Annotated[Path | None, VLLM_STATE_DIR] = VLLM_STATE_DIR.default
     vllm_coverage: Annotated[str | None, VLLM_COVERAGE] = VLLM_COVERAGE.default
+    vllm_moe_tuning: Annotated[str | None, VLLM_MOE_TUNING] = VLLM_MOE_TUNING.default
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
     cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
     started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default

@@ -286,6 +286,27 @@ ABSOLUTE_PATH = r"^/[^\x00]*$"
 PATTERN_HINTS[ABSOLUTE_PATH] = "an absolute path such as /var/cache/vllm"
 
 
+class MoeTuning(BaseModel):
+    """Tuning vLLM's fused-MoE Triton configs on the compile Job's GPU (``toolchains.vllm.
+    tuning``): what vLLM runs its MoE layers with where it ships no table for the shape and
+    GPU product, measured instead of guessed."""
+
+    model_config = _SPEC_CONFIG
+
+    mode: Literal["auto", "always", "off"] = Field(
+        default="auto",
+        description="auto: the MoE shapes vLLM ships no config for on the Job's GPU product; "
+        "always: every shape, vLLM's shipped config as the baseline to beat; off: none.",
+    )
+    budget_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=7200,
+        description="Seconds the search may take in all (compiles included); the Job's log "
+        "shows each batch bucket as it is tuned.",
+    )
+
+
 class VllmWorkload(BaseModel):
     """The engine a vllm warmer starts, as the serving pod starts it, and the traffic it sees.
 
@@ -339,6 +360,11 @@ class VllmWorkload(BaseModel):
         ge=2,
         le=6,
         description="Fresh engine processes at most; the last must meet no JIT at all.",
+    )
+    moe_tuning: MoeTuning = Field(
+        default_factory=MoeTuning,
+        description="Fused-MoE configs tuned for the GPU product the compile Job runs on; "
+        "kept in the generation and read by serving (VLLM_TUNED_CONFIG_FOLDER).",
     )
 
     @model_validator(mode="after")

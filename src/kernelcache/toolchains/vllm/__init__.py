@@ -83,11 +83,11 @@ from kernelcache.toolchains.base import (
     WarmerReport,
     make_cache_dirs,
 )
-from kernelcache.toolchains.vllm import coverage
+from kernelcache.toolchains.vllm import coverage, tuning
 from kernelcache.toolchains.vllm.coverage import Coverage
 
 if TYPE_CHECKING:
-    from kernelcache.spec import VllmWorkload
+    from kernelcache.spec import MoeTuning, VllmWorkload
     from kernelcache.store import Manifest
 
 log = logging.getLogger(__name__)
@@ -121,12 +121,13 @@ class VllmReport(WarmerReport):
     arch_list: str = ""
     startup_plans: list[str] = field(default_factory=list)  # under files/vllm/startup_plan
     coverage: dict[str, str] = field(default_factory=dict)  # family -> what was enumerated
+    moe_tuning: dict[str, Any] | None = None  # what the fused-MoE tuning did (``tuning``)
 
 
 class VllmWarmer(Warmer):
     type = "vllm"
     report_type = VllmReport
-    fills = (*TOOLCHAIN_DIRS, SUBDIR, WARMUP_SUBDIR)
+    fills = (*TOOLCHAIN_DIRS, SUBDIR, WARMUP_SUBDIR, tuning.SUBDIR)
 
     @property
     def workload(self) -> VllmWorkload:
@@ -167,16 +168,23 @@ class VllmWarmer(Warmer):
         modules: set[str] = set()
         enumerated: Coverage | None = None
         coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
-        for index in range(workload.max_passes):
-            serving = index > 0
+        tune = workload.moe_tuning if workload.moe_tuning.mode != "off" else None
+        serving, counted = False, 0
+        kernels: set[str] = set()
+        # A pass that tuned MoE tables leaves the enumeration to the next (a fresh engine
+        # reading them): it does not count against maxPasses.
+        while counted < workload.max_passes:
             result = run_pass(
                 workload,
                 env,
                 sorted(sizes),
                 serving,
                 self.config.timeout_seconds,
-                coverage_file if enumerated is not None else None,
+                coverage_file if serving else None,
+                tune if not report.passes else None,
             )
+            tuned = tuning.tuned(result.get("moe_tuning"))
+            counted += 0 if tuned else 1
             report.passes.append(pass_summary(result))
             if not any(p["armed"] and not p["server"] for p in result["processes"]):
                 raise WarmError(
@@ -185,14 +193,20 @@ class VllmWarmer(Warmer):
                     "loads the runtime in every process vllm serve starts)"
                 )
             modules.update(result["flashinfer_modules"])
+            if len(report.passes) == 1 and tune:
+                report.moe_tuning = result.get("moe_tuning")
             if not serving:
-                enumerated = Coverage(**result["coverage"]) if result.get("coverage") else None
-                if enumerated is not None:
+                kernels.update(k for _, k in _compiled(result))
+                report.compiled += len(_compiled(result))
+                _merge_compiled(report.compiled_by_toolchain, result["compiled_by_toolchain"])
+                if result.get("coverage"):
+                    enumerated = Coverage(**result["coverage"])
                     coverage_file.write_text(enumerated.to_json())
-                report.kernels = sorted({k for _, k in _compiled(result)})
-                report.compiled = len(_compiled(result))
-                report.compiled_by_toolchain = result["compiled_by_toolchain"]
-            elif not result["jit_events"] and not result["cold_compiles"]:
+                    serving = True
+                elif not tuned:
+                    serving = True  # no coverage to replay: the next pass is serving's all the same
+                continue
+            if not result["jit_events"] and not result["cold_compiles"]:
                 break
             unplaced = [e for e in result["jit_events"] if not e["tokens"]]
             if unplaced:
@@ -208,6 +222,7 @@ class VllmWarmer(Warmer):
                 f"{self.label}: still JIT after {workload.max_passes} engine processes "
                 f"(e.g. {seen[0] if seen else '?'}); declare fewer shapes or more maxPasses"
             )
+        report.kernels = sorted(kernels)
         report.preload_sizes = sorted(sizes)
         report.arch_list = env.get("FLASHINFER_CUDA_ARCH_LIST", "")
         report.flashinfer_modules = keep_flashinfer_modules(files_dir, sorted(modules))
@@ -230,6 +245,14 @@ class VllmWarmer(Warmer):
             report.coverage = enumerated.summary()
         report.cache_key_factors = cache_key_factors(target)
         report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
+
+
+def _merge_compiled(total: dict[str, dict[str, float]], more: Mapping[str, Any]) -> None:
+    """Add one pass's compiles per toolchain (count and seconds) to ``total``."""
+    for toolchain, entry in more.items():
+        into = total.setdefault(toolchain, {"compiled": 0, "seconds": 0.0})
+        into["compiled"] += entry["compiled"]
+        into["seconds"] = round(into["seconds"] + entry["seconds"], 3)
 
 
 def keep_flashinfer_modules(files_dir: Path, modules: list[str]) -> list[str]:
@@ -267,6 +290,7 @@ def cache_key_factors(tree: Path) -> dict[str, Any]:
 def pass_summary(result: dict[str, Any]) -> dict[str, Any]:
     keep = (
         "serving",
+        "preload_sizes",
         "ready_seconds",
         "import_seconds",
         "sweep_seconds",
@@ -331,11 +355,13 @@ def run_pass(
     serving: bool,
     timeout: int,
     replayed: Path | None = None,
+    tune: MoeTuning | None = None,
 ) -> dict[str, Any]:
     """One engine process (``drive``); its result, or a WarmError with its last line.
 
     Without ``replayed`` the engine enumerates the fused-MoE coverage before its JIT monitor
-    arms; with it, it replays that coverage as serving does."""
+    arms; with it, it replays that coverage as serving does. With ``tune`` it first tunes
+    the fused-MoE tables (``tuning``). The engine's log streams through as it runs."""
     from kernelcache.toolchains import serving_settings
 
     with tempfile.TemporaryDirectory(prefix="kernelcache-vllm-") as tmp:
@@ -345,33 +371,50 @@ def run_pass(
             "runtime": "warm",
             "preload": sizes,
             "coverage": str(replayed) if replayed is not None else None,
+            "tune": tune.model_dump() if tune is not None else None,
             "result": str(Path(tmp) / "result.json"),
         }
         # A later pass is set up as serving from the generation is.
         child_env = {**serving_settings(), **env} if serving else env
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(job_path)],
+            env=child_env,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+        said: list[str] = []
+        reader = threading.Thread(target=_relay, args=(proc, said), daemon=True)
+        reader.start()
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", __name__, str(job_path)],
-                env=child_env,
-                stderr=subprocess.PIPE,
-                text=True,
-                timeout=timeout,
-            )
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.wait()
             raise WarmError(f"vllm warmer: an engine pass ran past {timeout} s") from exc
-        sys.stderr.write(proc.stderr)  # the engine's own log, after the fact
+        finally:
+            reader.join(timeout=10)
         result_path = Path(job["result"])
         result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
         if proc.returncode != 0 or not result:
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            said = result.get("sweep_error") or (
-                lines[-1].strip() if lines else f"exit status {proc.returncode}"
+            last = result.get("sweep_error") or (
+                said[-1].strip() if said else f"exit status {proc.returncode}"
             )
-            raise WarmError(f"vllm warmer: engine pass failed: {said}")
+            raise WarmError(f"vllm warmer: engine pass failed: {last}")
     result["serving"] = serving
     return result
+
+
+def _relay(proc: subprocess.Popen[str], said: list[str]) -> None:
+    """The engine's log to ours as it comes (the Job's log shows the tuning's progress), its
+    non-blank lines kept for the error that names the last one."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if line.strip():
+            said[:] = [*said[-99:], line]
 
 
 # ---------------------------------------------------------------------------- one engine
@@ -518,8 +561,11 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
             env.pop(variable.name, None)
         env[contract.VLLM_SIZES.name] = ",".join(str(n) for n in job["preload"])
         env.pop(contract.VLLM_COVERAGE.name, None)
+        env.pop(contract.VLLM_MOE_TUNING.name, None)
         if job["runtime"] == "warm":
             env[contract.VLLM_COVERAGE.name] = job.get("coverage") or coverage.ENUMERATE
+            if job.get("tune"):
+                env[contract.VLLM_MOE_TUNING.name] = json.dumps(job["tune"])
     engine, sweep = job["engine"], job["sweep"]
     port = _free_port()
     server = _Server(serve_command(engine, port), env, started)
@@ -593,10 +639,7 @@ def read_states(directory: Path, server_pid: int) -> dict[str, Any]:
     for one in states:
         for name, count in one["cold_compiles"].items():
             compiles[name] = compiles.get(name, 0) + count
-        for toolchain, entry in one["compiled_by_toolchain"].items():
-            total = by_toolchain.setdefault(toolchain, {"compiled": 0, "seconds": 0.0})
-            total["compiled"] += entry["compiled"]
-            total["seconds"] = round(total["seconds"] + entry["seconds"], 3)
+        _merge_compiled(by_toolchain, one["compiled_by_toolchain"])
     armed = [one for one in states if one["monitor_mode"] is not None]
     engine = armed[0] if armed else {}
     imported = [one["vllm_imported_at"] for one in states if one.get("vllm_imported_at")]
@@ -614,6 +657,7 @@ def read_states(directory: Path, server_pid: int) -> dict[str, Any]:
         "preload_seconds": engine.get("preload_seconds", 0.0),
         "coverage": engine.get("coverage"),
         "coverage_seconds": engine.get("coverage_seconds"),
+        "moe_tuning": engine.get("moe_tuning"),
         "startup_plan": engine.get("startup_plan"),
         "jit_events": [event for one in states for event in one["events"]],
         "cold_compiles": compiles,
@@ -644,6 +688,8 @@ class State:
     enumerate: bool = False  # the warm's first pass: enumerate the coverage instead
     enumerated: dict[str, Any] | None = None
     coverage_seconds: float | None = None
+    tuning: dict[str, Any] | None = None  # the warm's first pass: tune (mode, budget_seconds)
+    tuned: dict[str, Any] | None = None  # what the tuning did (``tuning.Report``)
     strict: bool = False
     expected_model: str | None = None
     monitor_mode: str | None = None  # the mode the monitor was armed in
@@ -654,7 +700,9 @@ class State:
     startup_plan: dict[str, Any] | None = None  # whether vLLM applied its startup plan
     state_dir: Path | None = None
     vllm_imported_at: float | None = None
-    compiles_at_fork: dict[tuple[str, str], float] = field(default_factory=dict)
+    # What the parent process compiled (before a fork), and the tuning's candidates (compiled
+    # into a scratch cache): not this process's kernels.
+    compiles_not_counted: dict[tuple[str, str], float] = field(default_factory=dict)
     dumped: tuple[Any, ...] = ()
 
 
@@ -677,11 +725,14 @@ def watch(
     state_dir: Path | None = None,
     replayed: Coverage | None = None,
     enumerate_coverage: bool = False,
+    moe_tuning: dict[str, Any] | None = None,
 ) -> None:
     """Install the hooks when vLLM's modules are imported (at once where they already are).
 
     ``replayed``: the coverage loaded before the monitor arms (``coverage.replay``);
-    ``enumerate_coverage``: enumerate it there instead (the warm's first pass).
+    ``enumerate_coverage``: enumerate it there instead (the warm's first pass);
+    ``moe_tuning``: tune the fused-MoE tables before vLLM's warm-up (``tuning.tune``), and
+    leave the enumeration to the next pass when a table was written.
 
     vLLM's engine core is a process of its own (forked by ``vllm serve``, or spawned, when
     the runtime's ``.pth`` hook installs these again): the hooks work wherever the model
@@ -690,6 +741,7 @@ def watch(
     state.sizes, state.strict, state.expected_model = sorted(set(sizes)), strict, expected_model
     state.state_dir = state_dir
     state.coverage, state.enumerate = replayed, enumerate_coverage
+    state.tuning = moe_tuning
     os.register_at_fork(after_in_child=_forked)
     when_imported("triton", lambda _: coverage.loads.install())
     when_imported("vllm.engine.arg_utils", _imported)
@@ -708,7 +760,7 @@ def _imported(module: Any) -> None:
 
 def _forked() -> None:
     """A forked child counts from here: what the parent counted is the parent's."""
-    state.compiles_at_fork = dict(metrics.cold_compiles())
+    state.compiles_not_counted = dict(metrics.cold_compiles())
     state.events, state.dumped = [], ()
 
 
@@ -717,9 +769,9 @@ def dump(force: bool = False) -> None:
     if state.state_dir is None:
         return
     compiles = {
-        key: count - state.compiles_at_fork.get(key, 0)
+        key: count - state.compiles_not_counted.get(key, 0)
         for key, count in metrics.cold_compiles().items()
-        if count - state.compiles_at_fork.get(key, 0) > 0
+        if count - state.compiles_not_counted.get(key, 0) > 0
     }
     loaded = flashinfer.loads
     signature = (
@@ -729,6 +781,7 @@ def dump(force: bool = False) -> None:
         bool(state.startup_plan),
         len(loaded.modules),
         len(loaded.builds),
+        state.tuned is not None,
     )
     if signature == state.dumped and not force:
         return
@@ -746,6 +799,7 @@ def dump(force: bool = False) -> None:
         "preload_seconds": state.preload_seconds,
         "coverage": state.enumerated,
         "coverage_seconds": state.coverage_seconds,
+        "moe_tuning": state.tuned,
         "events": state.events,
         "startup_plan": state.startup_plan,
         "cold_compiles": {f"{t}/{k}": v for (t, k), v in compiles.items()},
@@ -788,26 +842,57 @@ def _hook_monitor(module: Any) -> None:
     module._handle_jit_event = handle_counted
 
 
-def cover(vllm_config: Any) -> None:
-    """Enumerate the fused-MoE coverage (the warm's first pass) or replay the generation's:
-    a specialization it lacks fails the start here, before the engine is ready."""
-    if state.enumerate:
+def prepare(vllm_config: Any) -> None:
+    """The warm's first pass, the model loaded and nothing run yet: tune the MoE tables (when
+    asked), then enumerate the fused-MoE coverage, unless a table was written (a fresh engine
+    reading it enumerates, in the next pass). Before vLLM's profile run and warm-up, so that
+    no MoE kernel is loaded yet and each one's first load is seen."""
+    if state.tuning is not None:
+        tune_moe(vllm_config, state.tuning)
+    if not state.enumerate:
+        return
+    if tuning.tuned(state.tuned):
+        log.info("kernelcache: fused-MoE coverage is enumerated by the next engine process, "
+                 "with the tables tuned here")  # fmt: skip
+    else:
         state.enumerated = asdict(coverage.enumerate_moe(vllm_config))
-    elif state.coverage is not None:
-        try:
-            state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
-        except ColdCompileError as exc:
-            metrics.record_verify_failure("coverage")
-            if state.strict:
-                raise
-            log.warning("kernelcache: %s; the engine compiles what is missing", exc)
-            return
-        log.info(
-            "kernelcache: fused-MoE coverage loaded before the engine is ready: %d "
-            "specializations in %.2f s",
-            len(state.coverage.specializations(coverage.MOE)),
-            state.coverage_seconds,
-        )
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # vLLM's memory profile after this sees none of it
+    dump()
+
+
+def cover(vllm_config: Any) -> None:
+    """Replay the generation's fused-MoE coverage: a specialization it lacks fails the start
+    here, before the engine is ready."""
+    if state.coverage is None:
+        return
+    try:
+        state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
+    except ColdCompileError as exc:
+        metrics.record_verify_failure("coverage")
+        if state.strict:
+            raise
+        log.warning("kernelcache: %s; the engine compiles what is missing", exc)
+        return
+    log.info(
+        "kernelcache: fused-MoE coverage loaded before the engine is ready: %d "
+        "specializations in %.2f s",
+        len(state.coverage.specializations(coverage.MOE)),
+        state.coverage_seconds,
+    )
+    dump()
+
+
+def tune_moe(vllm_config: Any, settings: Mapping[str, Any]) -> None:
+    """Tune the MoE tables (``tuning``); the candidates' compiles are not the generation's
+    kernels, so they are not counted."""
+    before = metrics.cold_compiles()
+    report = tuning.tune(vllm_config, str(settings["mode"]), int(settings["budget_seconds"]))
+    for name, count in metrics.cold_compiles().items():
+        if added := count - before.get(name, 0):
+            state.compiles_not_counted[name] = state.compiles_not_counted.get(name, 0) + added
+    state.tuned = asdict(report)
     dump()
 
 
@@ -825,7 +910,9 @@ def _hook_worker_module(module: Any) -> None:
 
     def load_model_checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         check_model(str(self.vllm_config.model_config.model))
-        return load_model(self, *args, **kwargs)
+        loaded = load_model(self, *args, **kwargs)
+        prepare(self.vllm_config)
+        return loaded
 
     worker_class.compile_or_warm_up_model = compile_or_warm_up_model
     worker_class.load_model = load_model_checked
@@ -1103,18 +1190,24 @@ class Vllm(Toolchain):
             config.vllm_state_dir,
             Coverage.read(recorded) if recorded is not None and not enumerate_coverage else None,
             enumerate_coverage=enumerate_coverage,
+            moe_tuning=json.loads(config.vllm_moe_tuning) if config.vllm_moe_tuning else None,
         )
 
 
 TOOLCHAIN = Vllm(
     # Not read in place: a warm start writes under its root (torch_aot_compile).
     name="vllm",
-    cache_env={ENV: SUBDIR},
+    cache_env={ENV: SUBDIR, coverage.TUNED_FOLDER_ENV: tuning.SUBDIR},
     # vLLM applies a startup plan only where its fingerprint (GPU name, total memory, ...)
     # matches; kernelcache scopes the files to the GPU product as it does tuning.
     serving_settings={"VLLM_ENABLE_STARTUP_PLAN": "1"},
-    # So are FlashInfer's autotuner results that vLLM keeps under its root.
-    tuning_prefixes=(f"{SUBDIR}/{PLAN_DIR}/", f"{SUBDIR}/flashinfer_autotune_cache/"),
+    # So are FlashInfer's autotuner results that vLLM keeps under its root, and the fused-MoE
+    # tables tuned in the compile Job.
+    tuning_prefixes=(
+        f"{SUBDIR}/{PLAN_DIR}/",
+        f"{SUBDIR}/flashinfer_autotune_cache/",
+        f"{tuning.SUBDIR}/",
+    ),
     warmers=(VllmWarmer,),
     requires=("vllm", "vllm"),
 )

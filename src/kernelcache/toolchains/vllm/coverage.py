@@ -32,8 +32,11 @@ Nothing here imports vLLM or torch at module level: the functions are handed vLL
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 MOE = "fused_moe"
 ENUMERATE = "enumerate"  # KERNELCACHE_VLLM_COVERAGE's value for the warm's first pass
 FILE = "vllm-warmup/coverage.json"  # under files/
+TUNED_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM reads its fused-MoE tables here first
+MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # its tables' reader and names
 NOT_ENUMERATED = {
     "sampler": "sampling parameters are per request; vLLM's warm-up runs the sampler at "
     "max_num_seqs and the declared sweep runs greedy requests",
@@ -184,7 +189,10 @@ def moe_layers(vllm_config: Any) -> list[tuple[str, int, Any]]:
 
 
 def engine_config(vllm_config: Any, layers: list[tuple[str, int, Any]]) -> dict[str, Any]:
-    """The configuration the enumeration derives from: a start with another one fails."""
+    """The configuration the enumeration derives from: a start with another one fails.
+
+    The GPU product as vLLM names it for its config tables, and the tuned tables the engine
+    reads (``tuning``), are part of it: they choose the kernels as much as the shapes do."""
     scheduler, parallel = vllm_config.scheduler_config, vllm_config.parallel_config
     return {
         "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
@@ -192,24 +200,57 @@ def engine_config(vllm_config: Any, layers: list[tuple[str, int, Any]]) -> dict[
         "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
         "tensor_parallel_size": int(parallel.tensor_parallel_size),
         "moe_layers": sorted(signature for signature, _, _ in layers),
+        "moe_config_device": config_device(),
+        "moe_tuned_configs": tuned_configs(),
     }
 
 
-def run_layer(vllm_config: Any, layer: Any, index: int, tokens: int) -> None:
-    """One forward of ``layer`` on ``tokens`` tokens, as the model's forward calls it."""
+def config_device() -> str:
+    """The GPU product in the names of vLLM's fused-MoE config tables (``NVIDIA_H200``)."""
+    name = importlib.import_module(MOE_MODULE).get_config_file_name(1, 1, None)
+    return name.partition("device_name=")[2].removesuffix(".json")
+
+
+def tuned_configs() -> dict[str, str]:
+    """File name -> digest of each table in ``VLLM_TUNED_CONFIG_FOLDER`` (vLLM reads a table
+    there before its own)."""
+    folder = os.environ.get(TUNED_FOLDER_ENV)
+    if not folder or not Path(folder).is_dir():
+        return {}
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        for path in sorted(Path(folder).glob("*.json"))
+    }
+
+
+def layer_inputs(layer: Any, tokens: int) -> tuple[Any, Any]:
+    """Random hidden states and router logits for ``tokens`` tokens, on the layer's device."""
     import torch
-    from vllm.forward_context import get_forward_context, set_forward_context
 
     config = layer.moe_config
     device = torch.device(config.device)
     hidden = torch.randn(tokens, config.hidden_dim, dtype=config.in_dtype, device=device)
     logits_dtype = getattr(config, "router_logits_dtype", None) or config.in_dtype
     logits = torch.randn(tokens, config.num_experts, dtype=logits_dtype, device=device)
+    return hidden, logits
+
+
+def forward(vllm_config: Any, layer: Any, index: int, hidden: Any, logits: Any) -> None:
+    """The layer's forward on these inputs, as the model's forward calls it."""
+    import torch
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    tokens = int(hidden.shape[0])
     with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=tokens):
         context = get_forward_context()
         if hasattr(context, "moe_layer_index"):
             context.moe_layer_index = index
         layer.forward(hidden, logits)
+
+
+def run_layer(vllm_config: Any, layer: Any, index: int, tokens: int) -> None:
+    """One forward of ``layer`` on ``tokens`` random tokens."""
+    forward(vllm_config, layer, index, *layer_inputs(layer, tokens))
 
 
 def enumerate_moe(vllm_config: Any) -> Coverage:
@@ -260,10 +301,11 @@ def enumerate_moe(vllm_config: Any) -> Coverage:
 
 
 def differences(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> list[str]:
-    """The engine settings the generation's coverage was derived from that differ here."""
+    """The engine settings the generation's coverage was derived from that differ here (a
+    setting an older generation did not record is not compared)."""
     return [
         f"{name}: {recorded.get(name)} != {here.get(name)}"
-        for name in sorted(set(recorded) | set(here))
+        for name in sorted(recorded)
         if recorded.get(name) != here.get(name)
     ]
 

@@ -1,0 +1,178 @@
+"""As vLLM's fused MoE on Triton: the kernels a forward loads depend on its token count.
+
+Each forward runs two kernels (routed-weight multiply off, then on), each specialized as
+vLLM 0.26.0's ``invoke_fused_moe_triton_kernel`` specializes ``fused_moe_kernel``: the
+config vLLM picks for the token count (``fused_moe.try_get_optimal_moe_config``: an
+``override_config``, else the nearest entry of a table in ``VLLM_TUNED_CONFIG_FOLDER`` or
+shipped in ``configs/`` for the GPU product, else vLLM's default), whether
+``tokens * top_k`` is divisible by 16 (Triton specializes integers on it), and the naive
+block assignment of tiny batches (``tokens * top_k * 4 <= experts``). A kernel's first load in
+a process goes through Triton's compilation listener, as a hit when its entry is in
+``TRITON_CACHE_DIR`` and as a compile (which writes the entry) when not; once vLLM's JIT
+monitor is armed it is also a JIT event.
+
+``FAKE_VLLM_MOE_MS`` (unset: no time) stands for the GPU time of a forward: that many
+milliseconds per step its config is away from the best one for its token count, plus one
+(``cost``), so that a tuner has something to find.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.utils import jit_monitor
+
+LOADED: set[str] = set()  # Triton's in-memory cache is per process
+_config: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def override_config(config: dict[str, Any]) -> Iterator[None]:
+    global _config
+    old, _config = _config, config
+    try:
+        yield
+    finally:
+        _config = old
+
+
+def get_config() -> dict[str, Any] | None:
+    return _config
+
+
+@dataclass
+class FusedMoEConfig:
+    num_experts: int
+    experts_per_token: int
+    hidden_dim: int
+    intermediate_size: int
+    in_dtype: Any
+    device: str = "cpu"
+    router_logits_dtype: Any = None
+
+
+class UnquantizedFusedMoEMethod:
+    """vLLM's quant method of bf16/fp16 experts (Triton's fused MoE on a GPU)."""
+
+
+def kernels_for(tokens: int, config: FusedMoEConfig) -> list[str]:
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    chosen = try_get_optimal_moe_config(
+        (config.num_experts, 2 * config.intermediate_size, config.hidden_dim),
+        (config.num_experts, config.hidden_dim, config.intermediate_size),
+        config.experts_per_token,
+        None,
+        tokens,
+    )
+    routed = tokens * config.experts_per_token
+    tiles = ",".join(f"{name}={chosen[name]}" for name in sorted(chosen) if name != "SPLIT_K")
+    shape = f"{tiles},div16={routed % 16 == 0},naive={routed * 4 <= config.num_experts}"
+    return [f"fused_moe_kernel[{shape},MUL_ROUTED_WEIGHT={on}]" for on in (False, True)]
+
+
+# The best tiles for a token count, and the steps the cost counts (vLLM's tuner's grid).
+STEPS = {
+    "BLOCK_SIZE_M": (16, 32, 64, 128, 256),
+    "BLOCK_SIZE_N": (32, 64, 128, 256),
+    "BLOCK_SIZE_K": (64, 128, 256),
+    "GROUP_SIZE_M": (1, 16, 32, 64),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+}
+
+
+def best_for(tokens: int) -> dict[str, int]:
+    small = tokens <= 32
+    return {
+        "BLOCK_SIZE_M": 16 if small else 64,
+        "BLOCK_SIZE_N": 128,
+        "BLOCK_SIZE_K": 64,
+        "GROUP_SIZE_M": 1 if small else 16,
+        "num_warps": 4 if small else 8,
+        "num_stages": 4 if small else 3,
+    }
+
+
+def cost(tokens: int, config: dict[str, Any]) -> int:
+    """1 + the steps from the best tiles for ``tokens`` (a value off the grid: 3 steps)."""
+    best = best_for(tokens)
+    steps = 0
+    for name, values in STEPS.items():
+        value = config.get(name)
+        steps += abs(values.index(value) - values.index(best[name])) if value in values else 3
+    return 1 + steps
+
+
+def load(kernel: str) -> None:
+    if kernel in LOADED:
+        return
+    LOADED.add(kernel)
+    digest = hashlib.sha256(kernel.encode()).hexdigest()[:32]
+    entry = base64.b32encode(bytes.fromhex(digest)).decode().rstrip("=")
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    try:
+        from triton import knobs
+    except ImportError:
+        knobs = None
+    if knobs is not None and knobs.cache.dir:
+        cache = Path(knobs.cache.dir)
+    group = cache / entry / f"__grp__{kernel.partition('[')[0]}.json"
+    hit = group.is_file()
+    if not hit:
+        time.sleep(0.001)  # compiling
+        group.parent.mkdir(parents=True, exist_ok=True)
+        (group.parent / f"{kernel.partition('[')[0]}.cubin").write_text(kernel)
+        group.write_text(json.dumps({"child_paths": {}}))
+    if knobs is not None and knobs.compilation.listener is not None:
+        knobs.compilation.listener(
+            src=SimpleNamespace(name=kernel.partition("[")[0]),
+            cache_hit=hit,
+            metadata={"hash": digest},
+            metadata_group={},
+            times=None,
+        )
+    jit_monitor.on_kernel_load(kernel)
+
+
+class MoERunner:
+    """One MoE layer, registered in the compilation config's forward context by its name."""
+
+    def __init__(self, layer_name: str, config: FusedMoEConfig) -> None:
+        self.layer_name, self.moe_config = layer_name, config
+        experts, hidden, n = config.num_experts, config.hidden_dim, config.intermediate_size
+        self.routed_experts = SimpleNamespace(
+            w13_weight=SimpleNamespace(shape=(experts, 2 * n, hidden)),
+            w2_weight=SimpleNamespace(shape=(experts, hidden, n)),
+            quant_method=UnquantizedFusedMoEMethod(),
+        )
+
+    def forward(self, hidden_states: Any, router_logits: Any) -> Any:
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        tokens = int(hidden_states.shape[0])
+        assert hidden_states.shape[1] == self.moe_config.hidden_dim
+        assert router_logits.shape == (tokens, self.moe_config.num_experts)
+        for kernel in kernels_for(tokens, self.moe_config):
+            load(kernel)
+        if step_ms := float(os.environ.get("FAKE_VLLM_MOE_MS", "0")):
+            c = self.moe_config
+            chosen = try_get_optimal_moe_config(
+                (c.num_experts, 2 * c.intermediate_size, c.hidden_dim),
+                (c.num_experts, c.hidden_dim, c.intermediate_size),
+                c.experts_per_token,
+                None,
+                tokens,
+            )
+            time.sleep(step_ms * cost(tokens, chosen) / 1000)
+        return hidden_states

@@ -1,0 +1,13 @@
+"""As vLLM's: the platform the engine runs on (a CUDA GPU, unless ``FAKE_VLLM_PLATFORM``)."""
+
+from __future__ import annotations
+
+import os
+
+
+class _Platform:
+    def is_cuda(self) -> bool:
+        return os.environ.get("FAKE_VLLM_PLATFORM", "cuda") == "cuda"
+
+
+current_platform = _Platform()
