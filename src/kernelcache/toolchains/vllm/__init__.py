@@ -571,16 +571,20 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
     server = _Server(serve_command(engine, port), env, started)
     error, ready, first_generate = None, None, None
     outputs: dict[str, list[list[int]]] = {}
+    shape_seconds: dict[str, list[float]] = {}  # each request's time, per shape (the bench's)
     try:
         first_generate = _wait_ready(server, port, str(engine["model"]), job.get("ready_timeout"))
         ready = time.time()
         for plan in [sweep, *job.get("more_sweeps", [])]:  # the bench's shapes outside
             for length in plan["prompt_lengths"]:
                 for batch in plan["batch_sizes"]:
+                    began = time.perf_counter()
                     tokens = _complete(
                         port, str(engine["model"]), prompts_for(length, batch), plan["max_tokens"]
                     )
                     outputs[f"{length}x{batch}"] = tokens
+                    seconds = round(time.perf_counter() - began, 4)
+                    shape_seconds.setdefault(f"{length}x{batch}", []).append(seconds)
     except (OSError, ValueError, KeyError, TimeoutError) as exc:  # the engine died, or refused
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
     finished = time.time()
@@ -601,6 +605,7 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
         "server_exit": server.proc.returncode,
         "sweep_error": error,
         "outputs": outputs,
+        "shape_seconds": shape_seconds,
         "log": server.lines,
     }
 
