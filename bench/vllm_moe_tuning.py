@@ -1,7 +1,8 @@
 """Fused-MoE configs tuned in the compile Job against vLLM's shipped or default ones, on the
 GPU: MoE-layer latency per batch bucket and ``vllm serve`` tokens per second, side by side.
 
-Per model (``--model NAME=DIR:MODE``, MODE the spec's ``moeTuning.mode``):
+Per model (``--model NAME=DIR:MODE[:LAYERS]``, MODE the spec's ``moeTuning.mode``, LAYERS
+the model's shapes at fewer layers):
 
 1. ``<name>_build``: ``kernelcache warm`` with the vllm warmer and ``moeTuning`` (mode,
    ``--budget``): the tuning pass, the pass that enumerates coverage with the tuned table,
@@ -57,7 +58,7 @@ def tokens_per_second(result: dict[str, Any]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", required=True, help="NAME=DIR:MODE")
+    parser.add_argument("--model", action="append", required=True, help="NAME=DIR:MODE[:LAYERS]")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=int, default=150, help="moeTuning.budgetSeconds")
@@ -81,11 +82,15 @@ def main() -> int:
 
     for entry in args.model:
         name, _, rest = entry.partition("=")
-        model_dir, _, mode = rest.rpartition(":")
+        model_dir, mode, *layers = rest.split(":")
         model = Path(model_dir).absolute()
-        results.setdefault("models", {})[name] = {
-            "mode": mode, "config": json.loads((model / "config.json").read_text())
-        }  # fmt: skip
+        config = json.loads((model / "config.json").read_text())
+        if layers:  # the model's shapes at fewer layers: the same MoE layer, a shorter start
+            config.update(num_hidden_layers=int(layers[0]), max_window_layers=int(layers[0]))
+            model = work / name / "model"
+            model.mkdir(parents=True, exist_ok=True)
+            (model / "config.json").write_text(json.dumps(config, indent=1))
+        results.setdefault("models", {})[name] = {"mode": mode, "config": config}
         root, store = work / name / "vllm-root", work / name / "store"
         workload = {**WORKLOAD, "model": str(model), "cacheRoot": str(root),
                     "moeTuning": {"mode": mode, "budgetSeconds": args.budget}}  # fmt: skip

@@ -756,6 +756,20 @@ def watch(
         when_imported(name, lambda module: _hook_runner(module.GPUModelRunner))
 
 
+def _log_beside_vllm() -> None:
+    """kernelcache's INFO lines (the tuning's progress, the coverage loaded) on stderr beside
+    vLLM's own, in the process where the model runs: vLLM logs through a logger of its own,
+    so without this only warnings pass."""
+    logger = logging.getLogger("kernelcache")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def _imported(module: Any) -> None:
     """When vLLM's engine arguments were importable: the end of vllm serve's import (torch,
     vLLM), which every start pays and ``ready - import`` leaves out."""
@@ -893,7 +907,13 @@ def tune_moe(vllm_config: Any, settings: Mapping[str, Any]) -> None:
     """Tune the MoE tables (``tuning``); the candidates' compiles are not the generation's
     kernels, so they are not counted."""
     before = metrics.cold_compiles()
-    report = tuning.tune(vllm_config, str(settings["mode"]), int(settings["budget_seconds"]))
+    said = logging.getLogger(metrics.__name__)
+    level = said.level
+    said.setLevel(logging.ERROR)  # a candidate's compile is no news
+    try:
+        report = tuning.tune(vllm_config, str(settings["mode"]), int(settings["budget_seconds"]))
+    finally:
+        said.setLevel(level)
     for name, count in metrics.cold_compiles().items():
         if added := count - before.get(name, 0):
             state.compiles_not_counted[name] = state.compiles_not_counted.get(name, 0) + added
@@ -902,6 +922,7 @@ def tune_moe(vllm_config: Any, settings: Mapping[str, Any]) -> None:
 
 
 def _hook_worker_module(module: Any) -> None:
+    _log_beside_vllm()
     worker_class = module.Worker
     warm_up, load_model = worker_class.compile_or_warm_up_model, worker_class.load_model
 

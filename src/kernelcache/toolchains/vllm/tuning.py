@@ -232,6 +232,7 @@ class Report:
     mode: str
     budget_seconds: int
     device: str = ""
+    timing: str = ""  # how a candidate was timed: cuda graphs, cuda events, wall clock
     seconds: float = 0.0
     shapes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -290,16 +291,22 @@ def nearest(known: Mapping[int, Config], tokens: int) -> Config:
     return dict(known[min(known, key=lambda n: abs(n - tokens))])
 
 
-def timer(vllm_config: Any, shape: Shape, scratch: str) -> Measure:
+def timer(vllm_config: Any, shape: Shape, scratch: str, report: Report) -> Measure:
     """Seconds per forward of the shape's layer under a config, on its own inputs per bucket
     (its compiles in the ``scratch`` Triton cache); None when the config cannot run (too much
-    shared memory, a compile error)."""
+    shared memory, a compile error).
+
+    On a GPU the forward is replayed from a CUDA graph, as serving runs it: launched one by
+    one, a small batch's forward is bound by the CPU's launches, and every config times the
+    same. Where a graph cannot be captured, CUDA events time plain launches (``report``
+    says which)."""
     import torch
     from triton import knobs
 
     override = importlib.import_module("vllm.model_executor.layers.fused_moe").override_config
     inputs: dict[int, tuple[Any, Any]] = {}
     cuda = torch.cuda.is_available()
+    report.timing = "cuda graphs" if cuda else "wall clock"
 
     def once(tokens: int) -> None:
         if tokens not in inputs:
@@ -312,14 +319,40 @@ def timer(vllm_config: Any, shape: Shape, scratch: str) -> Measure:
             knobs.cache.dir = scratch
             try:
                 once(tokens)  # compiles, and warms
-                first = _timed(lambda: once(tokens), 1, torch if cuda else None)
-                reps = max(3, min(50, int(0.02 / max(first, 1e-6))))
-                return _timed(lambda: once(tokens), reps, torch if cuda else None)
             except Exception as exc:  # out of resources, a compile error: not a candidate
                 log.debug("kernelcache: MoE tuning: %s for %d tokens: %s", config, tokens, exc)
                 return None
+            if report.timing == "cuda graphs":
+                try:
+                    return _graph_timed(lambda: once(tokens), torch)
+                except RuntimeError as exc:  # the forward cannot be captured here
+                    log.warning("kernelcache: MoE tuning: CUDA graph capture failed (%s): "
+                                "timing launches", str(exc).splitlines()[0])  # fmt: skip
+                    report.timing = "cuda events"
+            first = _timed(lambda: once(tokens), 1, torch if cuda else None)
+            reps = max(3, min(50, int(0.02 / max(first, 1e-6))))
+            return _timed(lambda: once(tokens), reps, torch if cuda else None)
 
     return measure
+
+
+def _graph_timed(run: Callable[[], None], torch: Any, per_graph: int = 10) -> float:
+    """Median seconds of one ``run`` over 5 replays of a CUDA graph of ``per_graph`` runs."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            run()
+    graph.replay()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1000 / per_graph)
+    del graph
+    return statistics.median(samples)
 
 
 def _timed(run: Callable[[], None], reps: int, torch: Any) -> float:
@@ -368,7 +401,7 @@ def tune(vllm_config: Any, mode: str, budget_seconds: int) -> Report:
     try:
         for number, shape in enumerate(todo):
             share = Budget(budget.left() / (len(todo) - number))
-            entry = tune_shape(vllm_config, shape, share, scratch, Path(str(folder)))
+            entry = tune_shape(vllm_config, shape, share, scratch, Path(str(folder)), report)
             report.shapes.append(entry)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -379,7 +412,7 @@ def tune(vllm_config: Any, mode: str, budget_seconds: int) -> Report:
 
 
 def tune_shape(
-    vllm_config: Any, shape: Shape, budget: Budget, scratch: str, folder: Path
+    vllm_config: Any, shape: Shape, budget: Budget, scratch: str, folder: Path, report: Report
 ) -> dict[str, Any]:
     """One shape's table, searched within ``budget`` and written (atomically) to ``folder``;
     what the report says of it."""
@@ -411,7 +444,8 @@ def tune_shape(
         )  # fmt: skip
 
     began = time.monotonic()
-    results = search(timer(vllm_config, shape, scratch), sizes, baseline, seeds, budget, progress)
+    measure = timer(vllm_config, shape, scratch, report)
+    results = search(measure, sizes, baseline, seeds, budget, progress)
     target = folder / shape.file
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.tmp")
