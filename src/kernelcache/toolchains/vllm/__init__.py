@@ -36,17 +36,18 @@ batch has, so a fused-MoE kernel specialized for a prefill size the warm-up did 
 first loaded at the first such request (and ``jit_monitor_mode="error"`` stops the engine
 there). No cache on disk can change that; only running the shape before the monitor arms can.
 So the fused-MoE specializations the engine's configuration allows are enumerated in the
-warm and replayed and checked before the monitor arms (``coverage``: a missing one fails the
-start before ready); the warm also records the token counts of the forwards at which the
-monitor fired (``WARMUP_FILE``), and in serving one dummy forward per recorded size runs
-there too (inside ``Worker.compile_or_warm_up_model``). Strict mode refuses every compile
-until the monitor arms (the engine is ready: ``runtime.ready``); after that a compile is
-served and counted, and the monitor runs in the mode the engine was given. Every monitor
-event is counted
+warm (``coverage``, right after the model loads; with vLLM's fused-MoE tables tuned for the
+GPU first where it ships none, ``tuning``) and replayed and checked before the monitor arms
+in serving (a missing one fails the start before ready); the warm also records the token
+counts of the forwards at which the monitor fired (``WARMUP_FILE``), and in serving one
+dummy forward per recorded size runs there too (inside
+``Worker.compile_or_warm_up_model``). Strict mode refuses every compile until the monitor
+arms (the engine is ready: ``runtime.ready``); after that a compile is served and counted,
+and the monitor runs in the mode the engine was given. Every monitor event is counted
 (``kernelcache_vllm_jit_events_total``) and kept in ``state.events`` with the token count of
 the forward it happened in. The engine's model and the cache root are checked against the
-generation's stamp. Whether vLLM applied its startup plan is said
-(``_plan_checked``): a GPU with less free memory than the plan recorded profiles instead.
+generation's stamp. Whether vLLM applied its startup plan is said (``_plan_checked``): a GPU
+with less free memory than the plan recorded profiles instead.
 
 Nothing here imports vLLM: each hook is installed when vLLM's own module is imported.
 """

@@ -8,11 +8,13 @@ production-size MoE met specializations its warm had not (every start, strict: H
 first request). The engine can only ever run its MoE layers on 1 .. ``max_num_batched_tokens``
 tokens, so the warm runs each distinct MoE layer on every one of those counts, through the
 layer's own forward (the code path serving takes, whatever it selects), in the engine core
-before vLLM's JIT monitor arms. Triton's compilation listener tells which counts loaded a
-kernel the process had not loaded yet; those are the representatives, and the kernels they
-loaded (name and Triton's cache hash) are the family's specializations. The set is a function
-of the configuration alone: the same model, dtype, parallelism and token bound give the same
-set on every build.
+right after the model loads: before vLLM's profile run and warm-up, which would load some of
+them first and hide them from the record. Triton's compilation listener tells which counts
+loaded a kernel the process had not loaded yet; those are the representatives, and the
+kernels they loaded (name and Triton's cache hash) are the family's specializations. The set
+is a function of the configuration alone (the GPU product's table and any tuned one,
+``tuning``, included): the same model, dtype, parallelism and token bound give the same set
+on every build.
 
 Serving replays the representatives before the monitor arms (milliseconds each: every kernel
 comes from the generation's Triton cache) and checks that each recorded specialization is now
