@@ -309,6 +309,8 @@ def test_inspect_and_explain_show_coverage_per_family(built):
     assert lines[0].startswith(
         f"{KEY} coverage: compiled graphs: not enumerated: vLLM's warm-up compiles"
     )
+    # Which ones, from the engine's configuration.
+    assert lines[0].endswith("; this configuration's: CUDA-graph sizes 64,32,16,8,4,2,1")
     assert f"{KEY} coverage: fused_moe: 18 specializations from 9 token counts; every " in (
         "\n".join(lines)
     )

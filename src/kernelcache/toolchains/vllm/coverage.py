@@ -284,6 +284,10 @@ def enumerate_moe(vllm_config: Any) -> Coverage:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     coverage = Coverage(engine=engine)
+    if sizes := graph_sizes(vllm_config):
+        coverage.not_enumerated["compiled graphs"] = (
+            f"{NOT_ENUMERATED['compiled graphs']}; this configuration's: {sizes}"
+        )
     if layers:
         coverage.families[MOE] = {
             "derived": f"every token count 1..{bound} (max_num_batched_tokens) through the "
@@ -300,6 +304,22 @@ def enumerate_moe(vllm_config: Any) -> Coverage:
         time.perf_counter() - started,
     )
     return coverage
+
+
+def graph_sizes(vllm_config: Any) -> str:
+    """The token counts vLLM's warm-up compiles and captures graphs for, from its configuration
+    (what serving's strict mode then finds in the generation or refuses before ready)."""
+    compilation = vllm_config.compilation_config
+    parts = []
+    for name, label in (
+        ("compile_sizes", "compile sizes"),
+        ("compile_ranges_endpoints", "compile range ends"),
+        ("cudagraph_capture_sizes", "CUDA-graph sizes"),
+    ):
+        values = getattr(compilation, name, None)
+        if values:
+            parts.append(f"{label} {','.join(str(v) for v in values)}")
+    return "; ".join(parts)
 
 
 def differences(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> list[str]:

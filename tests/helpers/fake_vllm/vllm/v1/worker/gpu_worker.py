@@ -23,6 +23,7 @@ class _ModelConfig:
 class _CompilationConfig:
     static_forward_context: dict[str, Any] = field(default_factory=dict)
     static_all_moe_layers: list[str] = field(default_factory=list)
+    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: [64, 32, 16, 8, 4, 2, 1])
 
 
 @dataclass
@@ -75,8 +76,6 @@ class _Snapshot:
 
 
 class Worker:
-    CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
     def __init__(
         self,
         model: str,
@@ -129,7 +128,7 @@ class Worker:
         return self.cache_config.kv_cache_memory_bytes
 
     def compile_or_warm_up_model(self) -> None:
-        for size in self.CUDA_GRAPH_SIZES:
+        for size in self.vllm_config.compilation_config.cudagraph_capture_sizes:
             self.model_runner._dummy_run(size)
         from vllm.utils.jit_monitor import activate as activate_jit_monitor
 
