@@ -37,6 +37,7 @@ from tests.helpers.vllm import (
     FAKE_VLLM,
     KEY,
     MODEL,
+    build,
     drive,
     fake_env,
     runtime_hook,
@@ -130,18 +131,7 @@ def test_path_factors_are_measured_again_or_carried_where_the_stamp_is_checked(m
 def built(tmp_path_factory) -> dict[str, Path]:
     """A generation built by ``kernelcache build`` with the vllm warmer; the warm's root gone."""
     tmp = tmp_path_factory.mktemp("vllm")
-    root, store = tmp / "vllm-root", tmp / "store"
-    (tmp / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(root)))
-    env = fake_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
-         "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=scaled(300),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))
-    shutil.rmtree(root)  # another node: only the generation travels
-    return {"tmp": tmp, "root": root, "store": store, "manifest": manifest}
+    return build(tmp, vllm_doc(tmp / "vllm-root"), fake_env())
 
 
 def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):

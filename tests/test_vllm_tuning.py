@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +21,11 @@ import yaml
 from kernelcache.errors import SpecError
 from kernelcache.spec import parse_kernelcache
 from kernelcache.toolchains.vllm import tuning
-from tests.conftest import run_kernelcache, scaled
+from tests.conftest import run_kernelcache
 from tests.helpers.vllm import (
     FAKE_VLLM,
     MODEL,
+    build,
     drive,
     fake_env,
     runtime_hook,
@@ -254,22 +252,11 @@ def test_a_warmer_env_cannot_point_vllm_at_other_tables(tmp_path):
 def tuned_build(tmp_path_factory):
     """A build on a GPU product with no shipped table for the model's MoE shape."""
     tmp = tmp_path_factory.mktemp("tuned")
-    root, store = tmp / "vllm-root", tmp / "store"
-    doc = vllm_doc(root, maxNumBatchedTokens=64, promptLengths=[5, 40], moeTuning={
-        "budgetSeconds": 120})  # fmt: skip
+    doc = vllm_doc(tmp / "vllm-root", maxNumBatchedTokens=64, promptLengths=[5, 40],
+                   moeTuning={"budgetSeconds": 120})  # fmt: skip
     doc["spec"]["gpuClasses"][0]["gpuProduct"] = H100
-    (tmp / "kc.yaml").write_text(yaml.safe_dump(doc))
     env = fake_env(FAKE_VLLM_GPU=H100, KERNELCACHE_GPU_PRODUCT=H100, FAKE_VLLM_MOE_MS="0.5")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
-         "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=scaled(400),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))
-    shutil.rmtree(root)
-    return {"tmp": tmp, "root": root, "store": store, "manifest": manifest, "log": proc.stderr,
-            "env": env}  # fmt: skip
+    return build(tmp, doc, env)
 
 
 def test_a_build_tunes_keeps_the_table_as_tuning_and_enumerates_with_it(

@@ -64,6 +64,25 @@ def vllm_doc(root: Path | str, **changes: Any) -> dict[str, Any]:
     )
 
 
+def build(tmp: Path, doc: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """``kernelcache build`` of ``doc`` into ``tmp/store``, then the warm's cache root removed
+    (another node: only the generation travels): the paths, the build's log and its env."""
+    import yaml
+
+    root, store = tmp / "vllm-root", tmp / "store"
+    (tmp / "kc.yaml").write_text(yaml.safe_dump(doc))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "build", "-f", str(tmp / "kc.yaml"),
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=scaled(400),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = next(store.glob("default/vq/*/*/MANIFEST.json"))
+    shutil.rmtree(root)
+    return {"tmp": tmp, "root": root, "store": store, "manifest": manifest, "log": proc.stderr,
+            "env": env}  # fmt: skip
+
+
 def fake_env(**overrides: str) -> dict[str, str]:
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE_VLLM), env["PYTHONPATH"]])

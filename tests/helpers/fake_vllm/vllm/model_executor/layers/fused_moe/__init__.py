@@ -12,8 +12,8 @@ a process goes through Triton's compilation listener, as a hit when its entry is
 monitor is armed it is also a JIT event.
 
 ``FAKE_VLLM_MOE_MS`` (unset: no time) stands for the GPU time of a forward: that many
-milliseconds per step its config is away from the best one for its token count, plus one
-(``cost``), so that a tuner has something to find.
+milliseconds times 1 + how many doublings its tiles are away from the best ones for its
+token count (``cost``), so that a tuner has something to find.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -65,34 +66,26 @@ class UnquantizedFusedMoEMethod:
     """vLLM's quant method of bf16/fp16 experts (Triton's fused MoE on a GPU)."""
 
 
-def kernels_for(tokens: int, config: FusedMoEConfig) -> list[str]:
+def chosen(tokens: int, config: FusedMoEConfig) -> dict[str, Any]:
+    """The config vLLM runs the layer's kernels with for ``tokens`` tokens."""
     from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
-    chosen = try_get_optimal_moe_config(
-        (config.num_experts, 2 * config.intermediate_size, config.hidden_dim),
-        (config.num_experts, config.hidden_dim, config.intermediate_size),
-        config.experts_per_token,
-        None,
-        tokens,
+    experts, hidden, n = config.num_experts, config.hidden_dim, config.intermediate_size
+    return try_get_optimal_moe_config(
+        (experts, 2 * n, hidden), (experts, hidden, n), config.experts_per_token, None, tokens
     )
+
+
+def kernels_for(tokens: int, config: FusedMoEConfig) -> list[str]:
+    tiles_of = chosen(tokens, config)
     routed = tokens * config.experts_per_token
-    tiles = ",".join(f"{name}={chosen[name]}" for name in sorted(chosen) if name != "SPLIT_K")
+    tiles = ",".join(f"{name}={tiles_of[name]}" for name in sorted(tiles_of) if name != "SPLIT_K")
     shape = f"{tiles},div16={routed % 16 == 0},naive={routed * 4 <= config.num_experts}"
     return [f"fused_moe_kernel[{shape},MUL_ROUTED_WEIGHT={on}]" for on in (False, True)]
 
 
-# The best tiles for a token count, and the steps the cost counts (vLLM's tuner's grid).
-STEPS = {
-    "BLOCK_SIZE_M": (16, 32, 64, 128, 256),
-    "BLOCK_SIZE_N": (32, 64, 128, 256),
-    "BLOCK_SIZE_K": (64, 128, 256),
-    "GROUP_SIZE_M": (1, 16, 32, 64),
-    "num_warps": (4, 8),
-    "num_stages": (2, 3, 4, 5),
-}
-
-
 def best_for(tokens: int) -> dict[str, int]:
+    """The tiles this stand-in's GPU runs fastest for ``tokens`` tokens."""
     small = tokens <= 32
     return {
         "BLOCK_SIZE_M": 16 if small else 64,
@@ -104,14 +97,9 @@ def best_for(tokens: int) -> dict[str, int]:
     }
 
 
-def cost(tokens: int, config: dict[str, Any]) -> int:
-    """1 + the steps from the best tiles for ``tokens`` (a value off the grid: 3 steps)."""
-    best = best_for(tokens)
-    steps = 0
-    for name, values in STEPS.items():
-        value = config.get(name)
-        steps += abs(values.index(value) - values.index(best[name])) if value in values else 3
-    return 1 + steps
+def cost(tokens: int, config: dict[str, Any]) -> float:
+    """1 + how far each tile is from the best one, in doublings."""
+    return round(1 + sum(abs(math.log2(config[k] / v)) for k, v in best_for(tokens).items()), 6)
 
 
 def load(kernel: str) -> None:
@@ -158,21 +146,11 @@ class MoERunner:
         )
 
     def forward(self, hidden_states: Any, router_logits: Any) -> Any:
-        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
-
         tokens = int(hidden_states.shape[0])
         assert hidden_states.shape[1] == self.moe_config.hidden_dim
         assert router_logits.shape == (tokens, self.moe_config.num_experts)
         for kernel in kernels_for(tokens, self.moe_config):
             load(kernel)
         if step_ms := float(os.environ.get("FAKE_VLLM_MOE_MS", "0")):
-            c = self.moe_config
-            chosen = try_get_optimal_moe_config(
-                (c.num_experts, 2 * c.intermediate_size, c.hidden_dim),
-                (c.num_experts, c.hidden_dim, c.intermediate_size),
-                c.experts_per_token,
-                None,
-                tokens,
-            )
-            time.sleep(step_ms * cost(tokens, chosen) / 1000)
+            time.sleep(step_ms * cost(tokens, chosen(tokens, self.moe_config)) / 1000)
         return hidden_states
