@@ -68,7 +68,7 @@ from kernelcache.store import (
     load_public_keys,
     materialize,
     prefetched,
-    verify,
+    verified,
 )
 from kernelcache.toolchains import in_place_dirs, toolchains
 
@@ -248,7 +248,7 @@ def _verify_and_materialize(
         return path.partition("/")[0] in readable
 
     # Materializing hashes every byte it copies, so verify digests only what it does not copy.
-    result = verify(
+    result, manifest = verified(
         gen_dir,
         key=key,
         public_key=public_key,
@@ -256,9 +256,6 @@ def _verify_and_materialize(
         workers=options.workers,
         digests=True if target is None else used_in_place,
     )
-    result.raise_for_problems()
-    manifest = result.manifest
-    assert manifest is not None  # verify reports a problem whenever it has no manifest
     if key is None:
         key = manifest.key
         if CacheKey.parse(key).arch != arch:

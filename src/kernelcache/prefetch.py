@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache.errors import StorageError
-from kernelcache.store import Manifest, Store, load_public_keys, materialize, verify
+from kernelcache.store import Manifest, Store, load_public_keys, materialize, verified, verify
 from kernelcache.store.fs import io_errors
 from kernelcache.store.layout import LOCK_NAME, MANIFEST_NAME
 from kernelcache.store.locking import lock
@@ -134,16 +134,13 @@ def sync(
                 raise ValueError("sync needs a store or a ref")
             gen_dir = Store(store).key_dir(key) / token
             # The copy checks every digest; the signature is checked here, and travels.
-            result = verify(
+            result, manifest = verified(
                 gen_dir,
                 key=key,
                 public_key=trusted,
                 require_signature=require_signature,
                 digests=False,
             )
-            result.raise_for_problems()
-            manifest = result.manifest
-            assert manifest is not None
             evicted += _make_room(root, manifest.total_bytes, limit_bytes, keep=set(), new=0)
             materialize(result, root / key, workers=workers)
             wanted = Wanted(token, key, manifest.generation, key)

@@ -71,7 +71,7 @@ from kernelcache.store.signing import (
     signature_bytes,
     signer,
 )
-from kernelcache.store.verification import verify
+from kernelcache.store.verification import verified, verify
 from kernelcache.store.writer import Store
 
 # The small blobs (config, MANIFEST.json's layer, a signature payload) are read whole; more
@@ -141,10 +141,7 @@ def push(
     if reference.digest is not None:
         raise SpecError(f"{ref}: push takes REGISTRY/REPOSITORY[:TAG], not a digest")
     gen_dir = _generation_dir(Store(os.fspath(store)), str(key), generation)
-    checked = verify(gen_dir, key=str(key), workers=workers)
-    checked.raise_for_problems()
-    manifest = checked.manifest
-    assert manifest is not None
+    _, manifest = verified(gen_dir, key=str(key), workers=workers)
     signer = private_key(signing_key)
     tag = reference.tag or manifest.generation
     client = Client(reference, auth, ca_file, actions="pull,push", plain_http=plain_http)

@@ -67,7 +67,7 @@ from kernelcache.store.signing import (
     load_public_key,
     load_public_keys,
 )
-from kernelcache.store.verification import Problem, VerifyResult, verify
+from kernelcache.store.verification import Problem, VerifyResult, verified, verify
 from kernelcache.store.writer import Store, Writer
 
 __all__ = [
@@ -96,6 +96,7 @@ __all__ = [
     "load_public_keys",
     "manifest_checksum",
     "materialize",
+    "verified",
     "verify",
     "write_file_synced",
 ]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kernelcache.errors import (
     ExitCode,
@@ -89,6 +90,15 @@ class VerifyResult:
         if len(self.problems) > 1:
             message += f" (and {len(self.problems) - 1} more)"
         raise _ERROR_CLASSES.get(first.code, KernelCacheError)(message, path=first.path)
+
+
+def verified(gen_dir: Path, **options: Any) -> tuple[VerifyResult, Manifest]:
+    """``verify`` (with its options), its first problem raised as that problem's class: the
+    result and its manifest, for a caller that goes on only with a sound generation."""
+    result = verify(gen_dir, **options)
+    result.raise_for_problems()
+    assert result.manifest is not None  # verify reports a problem whenever it has no manifest
+    return result, result.manifest
 
 
 def verify(

@@ -72,7 +72,7 @@ from kernelcache.store.signing import (
     signature_bytes,
     signer,
 )
-from kernelcache.store.verification import VerifyResult, verify
+from kernelcache.store.verification import VerifyResult, verified, verify
 
 log = logging.getLogger(__name__)
 
@@ -453,16 +453,13 @@ class Writer:
         if staging not in self._stagings:
             raise ValueError(f"{staging}: not a staging directory of this writer")
         try:
-            result = verify(
+            _, manifest = verified(
                 staging,
                 public_key=public_key,
                 require_signature=require_signature,
                 workers=workers,
                 digests=digests,
             )
-            result.raise_for_problems()
-            manifest = result.manifest
-            assert manifest is not None
             if manifest.key != self.key:
                 raise IntegrityError(
                     f"{staging / MANIFEST_NAME}: published for key {manifest.key}, "
