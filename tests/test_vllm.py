@@ -149,6 +149,10 @@ def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     # runs before anything else loaded one.
     assert report["coverage"]["fused_moe"].startswith("18 specializations from 9 token counts")
     assert report["preload_sizes"] == []
+    assert report["coverage"]["fused_moe tables"] == (
+        "E=32,N=512,device_name=NVIDIA_H200.json: not tuned (vLLM ships "
+        "E=32,N=512,device_name=NVIDIA_H200.json (mode auto))"
+    )
     # Each pass was vllm serve: the monitor armed in the engine core, not the API server.
     for one in report["passes"]:
         assert [p["server"] for p in one["processes"] if p["armed"]] == [False]

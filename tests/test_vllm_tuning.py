@@ -269,6 +269,9 @@ def test_a_build_tunes_keeps_the_table_as_tuning_and_enumerates_with_it(
     assert [b["tokens"] for b in shape["buckets"]] == tuning.buckets(64)
     assert all(b["tuned_ms"] <= b["baseline_ms"] for b in shape["buckets"])
     assert any(b["gain"] > 0.3 for b in shape["buckets"])
+    assert report["coverage"]["fused_moe tables"].startswith(
+        f"{H100_TABLE}: tuned against vLLM's default table, "
+    )
     # Progress per bucket in the Job's log, as it went.
     assert "kernelcache: MoE tuning E=32,N=512 [1/9] 1 tokens: " in tuned_build["log"]
     assert "kernelcache: MoE tuning E=32,N=512 [9/9] 64 tokens: " in tuned_build["log"]

@@ -244,6 +244,8 @@ class VllmWarmer(Warmer):
         if enumerated is not None:
             (files_dir / coverage.FILE).write_text(enumerated.to_json())
             report.coverage = enumerated.summary()
+        if said := tuning.summary(report.moe_tuning):
+            report.coverage[f"{coverage.MOE} tables"] = said
         report.cache_key_factors = cache_key_factors(target)
         report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
 

@@ -243,6 +243,23 @@ def tuned(report: Mapping[str, Any] | None) -> list[str]:
     return [shape["file"] for shape in shapes if shape.get("tuned")]
 
 
+def summary(report: Mapping[str, Any] | None) -> str:
+    """One line of what a warm's tuning did per shape (``kernelcache inspect`` and
+    ``explain`` show it beside the coverage)."""
+    said = []
+    for shape in report.get("shapes", []) if report else []:
+        if not shape.get("tuned"):
+            said.append(f"{shape['file'] or shape['shape']}: not tuned ({shape['why']})")
+            continue
+        gains = [b["gain"] for b in shape["buckets"] if b.get("gain")]
+        best = f", up to {max(gains):.1%}" if gains else ""
+        said.append(
+            f"{shape['file']}: tuned against vLLM's {shape['baseline']} table, "
+            f"{len(gains)} of {len(shape['buckets'])} buckets faster{best}"
+        )
+    return "; ".join(said)
+
+
 def shape_of(signature: str, index: int, layer: Any, tensor_parallel: int) -> Shape:
     """The shape's table name and shipped table, or why it cannot be tuned here."""
     experts = getattr(layer, "routed_experts", None)
