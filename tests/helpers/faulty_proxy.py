@@ -11,14 +11,14 @@ http. ``silent_listener`` accepts connections and never says a word (not even TL
 from __future__ import annotations
 
 import socket
-import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import requests
+from tests.helpers.local_http import local_server
 from tests.helpers.registry import Registry
 
 _FORWARDED = ("Authorization", "Accept", "Range", "Content-Type", "Content-Length")
@@ -112,22 +112,14 @@ def running_proxy(registry: Registry, *faults: Fault, tls: bool = True) -> Itera
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    if tls:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        folder = registry.ca_file.parent
-        context.load_cert_chain(folder / "server.pem", folder / "server.key")
-        server.socket = context.wrap_socket(server.socket, server_side=True)
-    proxy.host = f"127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield proxy
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
+    folder = registry.ca_file.parent
+    cert, key = (folder / "server.pem", folder / "server.key") if tls else (None, None)
+    with local_server(Handler, cert, key) as port:
+        proxy.host = f"127.0.0.1:{port}"
+        try:
+            yield proxy
+        finally:
+            release.set()  # a handler held mid-body lets go before the server shuts down
 
 
 @contextmanager

@@ -15,13 +15,11 @@ import base64
 import datetime
 import json
 import secrets
-import ssl
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -30,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
+from tests.helpers.local_http import local_server
 
 SERVICE, ISSUER = "kernelcache-test-registry", "kernelcache-test-token-issuer"
 
@@ -134,16 +133,6 @@ def running_token_service(
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(tls_cert, tls_key)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    service.realm = f"https://127.0.0.1:{server.server_address[1]}/token"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with local_server(Handler, tls_cert, tls_key) as port:
+        service.realm = f"https://127.0.0.1:{port}/token"
         yield service
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
