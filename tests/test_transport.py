@@ -28,7 +28,7 @@ from kernelcache.errors import ExitCode
 from kernelcache.store import Store, verify
 from kernelcache.store.prefetched import find
 from tests.conftest import one_line_error, run_kernelcache, scaled
-from tests.helpers.faulty_proxy import Fault, running_proxy, silent_listener
+from tests.helpers.faulty_proxy import Fault, Proxy, running_proxy, silent_listener
 from tests.helpers.generations import ARCH, KEY, NAME, NS, publish
 from tests.helpers.registry import Registry, authfile, running_registry
 
@@ -104,15 +104,24 @@ def test_a_registry_that_accepts_and_never_speaks_tls_fails_in_one_line(
     assert not (tmp_path / "s").exists() or Store(tmp_path / "s").current(KEY) is None
 
 
-def test_a_registry_silent_before_its_response_headers_fails_naming_the_step(
-    registry: Registry, pushed: str, tmp_path: Path
-) -> None:
-    fault = Fault("/manifests/", "silent-headers")
-    with running_proxy(registry, fault) as proxy:
+def pull_via_proxy(
+    registry: Registry, pushed: str, tmp_path: Path, *faults: Fault
+) -> tuple[subprocess.CompletedProcess, float, Proxy]:
+    """``kernelcache pull`` of ``pushed`` through a proxy that plays ``faults``: what it did,
+    how long it took, and the proxy (the requests it saw)."""
+    with running_proxy(registry, *faults) as proxy:
         done, took = timed(
             "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"),
             *flags(registry, proxy.host, tmp_path),
         )  # fmt: skip
+    return done, took, proxy
+
+
+def test_a_registry_silent_before_its_response_headers_fails_naming_the_step(
+    registry: Registry, pushed: str, tmp_path: Path
+) -> None:
+    fault = Fault("/manifests/", "silent-headers")
+    done, took, proxy = pull_via_proxy(registry, pushed, tmp_path, fault)
     assert_failed_within(
         done, took, proxy.host, f"GET /v2/kc/net/manifests/{pushed}",
         f"no response within {READ_S:g} s",
@@ -125,11 +134,7 @@ def test_a_blob_that_goes_silent_halfway_for_good_leaves_the_store_as_it_was(
 ) -> None:
     old = publish(tmp_path / "s", files={"triton/old.cubin": b"old"})
     fault = Fault(largest_layer(registry, pushed), "silent-mid-blob", after_bytes=100_000)
-    with running_proxy(registry, fault) as proxy:
-        done, took = timed(
-            "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"),
-            *flags(registry, proxy.host, tmp_path),
-        )  # fmt: skip
+    done, took, proxy = pull_via_proxy(registry, pushed, tmp_path, fault)
     line = assert_failed_within(done, took, "layer", f"silent for {READ_S:g} s at byte")
     assert line.startswith(f"kernelcache: error: {proxy.host}/kc/net@{pushed}"), line
     assert Store(tmp_path / "s").current(KEY) == old
@@ -141,12 +146,8 @@ def test_a_blob_that_goes_silent_once_is_resumed_where_it_stopped(
 ) -> None:
     layer = largest_layer(registry, pushed)
     fault = Fault(layer, "silent-mid-blob", after_bytes=100_000, times=1)
-    with running_proxy(registry, fault) as proxy:
-        done, _ = timed(
-            "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"),
-            *flags(registry, proxy.host, tmp_path),
-        )  # fmt: skip
-        resumed = [r for r in proxy.requests if "/blobs/" in r]
+    done, _, proxy = pull_via_proxy(registry, pushed, tmp_path, fault)
+    resumed = [r for r in proxy.requests if "/blobs/" in r]
     assert done.returncode == 0, done.stderr
     assert verify(Store(tmp_path / "s").current(KEY), key=KEY).ok
     assert [r for r in resumed if layer in r] == [f"GET /v2/kc/net/blobs/{layer}"] * 2
@@ -157,11 +158,7 @@ def test_a_blob_redirected_from_https_to_plain_http_is_refused(
     registry: Registry, pushed: str, tmp_path: Path
 ) -> None:
     fault = Fault("/blobs/", "redirect-to-http")
-    with running_proxy(registry, fault) as proxy:
-        done, took = timed(
-            "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"),
-            *flags(registry, proxy.host, tmp_path),
-        )  # fmt: skip
+    done, took, proxy = pull_via_proxy(registry, pushed, tmp_path, fault)
     assert_failed_within(done, took, proxy.host, "redirected from https to http", "refused")
     assert not any(r.startswith("GET") for r in proxy.requests if "http://" in r)
     assert not (tmp_path / "s").exists() or Store(tmp_path / "s").current(KEY) is None
