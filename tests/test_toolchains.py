@@ -39,6 +39,7 @@ def test_the_cache_variables_are_the_union_of_the_toolchains_declarations():
         "TORCHINDUCTOR_CACHE_DIR": "inductor",
         "FLASHINFER_WORKSPACE_BASE": "flashinfer",
         "VLLM_CACHE_ROOT": "vllm",
+        "VLLM_TUNED_CONFIG_FOLDER": "vllm-moe",
         "SGLANG_CACHE_DIR": "sglang",
     }
     assert toolchains.serving_settings() == {
@@ -56,6 +57,7 @@ def test_tuning_scoped_files_are_what_the_toolchains_declare():
         "flashinfer/tactics/nvidia-h200.json",
         "vllm/startup_plan/startup_plan_f706e831b001afa9.json",
         "vllm/flashinfer_autotune_cache/0.6.14/90a/e846db17/autotune_configs.json",
+        "vllm-moe/E=64,N=1024,device_name=NVIDIA_H200.json",
     ]
     compiled = ["triton/ABC/matmul.cubin", "flashinfer/aot/m/m.so", "cute-dsl/k.o"]
     assert [p for p in tuned + compiled if toolchains.is_tuning_file(p)] == tuned
