@@ -145,6 +145,21 @@ def write_warmer_spec(
     return spec
 
 
+def writes_one_file() -> dict:
+    """A command warmer that leaves one Triton cache file: a publishable generation."""
+    script = "import os; open(os.path.join(os.environ['TRITON_CACHE_DIR'], 'k'), 'w').write('x')"
+    return {"type": "command", "command": [sys.executable, "-c", script]}
+
+
+def entry_point_spec(tmp_path: Path, body: str, **warmer) -> Path:
+    """A cute-dsl warmer whose entry point ``ep:warm`` has ``body`` (it compiles nothing)."""
+    (tmp_path / "ep.py").write_text(
+        "import os, signal, subprocess, sys, time\n\n\ndef warm(workload):\n"
+        + "".join(f"    {line}\n" for line in body.splitlines())
+    )
+    return write_warmer_spec(tmp_path, {"type": "cute-dsl", "entryPoints": ["ep:warm"], **warmer})
+
+
 # The example spec's CuTe-DSL workload, cut to one size, dtype and tile: each build compiles
 # little. DEMO_WORKLOAD is the serving example's: both dtypes, both tiles.
 SMALL_WORKLOAD = {"sizes": [[128, 256]], "dtypes": ["float16"], "tiles": [[32, 32]]}
