@@ -45,7 +45,8 @@ demo: $(VENV)/.installed
 # The tests run side by side in PYTEST_WORKERS processes (pytest-xdist): much of their time is
 # spent waiting on the processes they start, so more workers than cores pay. Each file stays on
 # one worker, in order (a module's fixtures are built once; some files' tests build on the ones
-# before), files with slow tests first. test-quick leaves out the `slow` ones.
+# before), the longest files first (tests/conftest.py names them), then the others with slow
+# tests. test-quick leaves out the `slow` ones.
 PYTEST_WORKERS ?= 6
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
