@@ -195,8 +195,14 @@ def test_tensor_parallel_above_one_is_named_not_tuned(fake_moe, monkeypatch, tmp
 def test_always_tunes_against_the_shipped_table_and_vllm_then_reads_the_tuned_one(
     fake_moe, monkeypatch, tmp_path
 ):
-    config = engine(monkeypatch, tmp_path, FAKE_VLLM_GPU="NVIDIA H200", FAKE_VLLM_MOE_MS="0.5")
+    generation_cache = tmp_path / "triton"
+    config = engine(
+        monkeypatch, tmp_path, FAKE_VLLM_GPU="NVIDIA H200", FAKE_VLLM_MOE_MS="0.5",
+        TRITON_CACHE_DIR=str(generation_cache),
+    )  # fmt: skip
     from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    fake_moe.LOADED.clear()  # every candidate is a first load: compiled, somewhere
 
     shipped = try_get_optimal_moe_config((32, 1024, 1024), (32, 1024, 512), 4, None, 8)
     report = tuning.tune(config, "always", 120)
@@ -208,8 +214,12 @@ def test_always_tunes_against_the_shipped_table_and_vllm_then_reads_the_tuned_on
     now = try_get_optimal_moe_config((32, 1024, 1024), (32, 1024, 512), 4, None, 8)
     assert now == table["8"] and now != shipped
     assert fake_moe.cost(8, now) < fake_moe.cost(8, shipped)
-    # The candidates compiled into a scratch cache, not the generation's.
-    assert not list(tmp_path.glob("**/*.cubin"))
+    # The candidates compiled into a scratch cache, not the generation's; a kernel loaded
+    # outside the tuning lands there.
+    assert len(fake_moe.LOADED) > 2
+    assert not list(generation_cache.glob("**/*.cubin"))
+    fake_moe.load("probe_kernel[after tuning]")
+    assert [p.name for p in generation_cache.glob("**/*.cubin")] == ["probe_kernel.cubin"]
 
 
 # ------------------------------------------------------------------------------ the spec

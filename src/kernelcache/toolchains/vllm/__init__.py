@@ -362,9 +362,10 @@ def run_pass(
 ) -> dict[str, Any]:
     """One engine process (``drive``); its result, or a WarmError with its last line.
 
-    Without ``replayed`` the engine enumerates the fused-MoE coverage before its JIT monitor
-    arms; with it, it replays that coverage as serving does. With ``tune`` it first tunes
-    the fused-MoE tables (``tuning``). The engine's log streams through as it runs."""
+    Without ``replayed`` the engine enumerates the fused-MoE coverage right after its model
+    loads; with it, it replays that coverage before the JIT monitor arms, as serving does.
+    With ``tune`` it first tunes the fused-MoE tables (``tuning``). The engine's log streams
+    through as it runs."""
     from kernelcache.toolchains import serving_settings
 
     with tempfile.TemporaryDirectory(prefix="kernelcache-vllm-") as tmp:
@@ -881,7 +882,7 @@ def prepare(vllm_config: Any) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # vLLM's memory profile after this sees none of it
-    dump()
+    dump(force=True)  # the enumeration changes nothing dump() compares
 
 
 def cover(vllm_config: Any) -> None:
