@@ -254,13 +254,12 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     log = args.log or args.out.with_suffix(".log")
-    from kernelcache.toolchains.vllm import (
-        ENGINE_ENV,
+    from kernelcache.toolchains.vllm.engine import (
         differing_outputs,
-        engine_job,
         output_digests,
         outputs_digest,
     )
+    from kernelcache.toolchains.vllm.passes import ENGINE_ENV, engine_job
 
     base = {**os.environ, **ENGINE_ENV}
     workload = {

@@ -70,7 +70,7 @@ def main() -> int:
     work = args.work.absolute()
     work.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".log")
-    from kernelcache.toolchains.vllm import ENGINE_ENV, engine_job
+    from kernelcache.toolchains.vllm.passes import ENGINE_ENV, engine_job
 
     base = {**os.environ, **ENGINE_ENV, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     stages: dict[str, Any] = results.setdefault("stages", {})

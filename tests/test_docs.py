@@ -808,7 +808,7 @@ def test_a_recipes_pods_are_injected_and_start_the_engine_as_it_was_warmed(recip
     from kernelcache.controller.config import OperatorConfig
     from kernelcache.controller.webhook import apply_ops, mutate_pod
     from kernelcache.spec import parse_kernelcache
-    from kernelcache.toolchains.vllm import serve_command
+    from kernelcache.toolchains.vllm.engine import serve_command
 
     kernelcaches = {
         d["metadata"]["name"]: d

@@ -239,7 +239,7 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
     assert rc == 0 and result["monitor_mode"] == "warn" and result["jit_events"] == [], log
     assert result["cold_compiles"] == {} and result["sweep_error"] is None
     # Outputs are the cold engine's, the warm's first pass.
-    from kernelcache.toolchains.vllm import differing_outputs, outputs_digest
+    from kernelcache.toolchains.vllm.engine import differing_outputs, outputs_digest
 
     cold = recorded["passes"][0]
     assert outputs_digest(served["outputs"]) == cold["outputs_digest"]
@@ -600,7 +600,7 @@ def test_the_init_container_refuses_a_generation_missing_a_flashinfer_module_the
 
 def test_the_warm_fails_when_flashinfer_loaded_a_module_it_did_not_build(tmp_path):
     from kernelcache.errors import WarmError
-    from kernelcache.toolchains.vllm import keep_flashinfer_modules
+    from kernelcache.toolchains.vllm.passes import keep_flashinfer_modules
 
     jit = tmp_path / "flashinfer" / ".cache" / "flashinfer" / "0.6.14" / "90a" / "cached_ops"
     (jit / "sampling").mkdir(parents=True)

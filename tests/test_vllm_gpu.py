@@ -68,7 +68,7 @@ OUTSIDE = {"prompt_lengths": [1, 33, 777, 1500], "batch_sizes": [2, 5, 48], "max
 
 
 def engine_env(config: str, **overrides: str) -> dict[str, str]:
-    from kernelcache.toolchains.vllm import ENGINE_ENV
+    from kernelcache.toolchains.vllm.passes import ENGINE_ENV
 
     env = CONFIGS[config][1]
     return {**subprocess_env(), **ENGINE_ENV, **env, "KERNELCACHE_ARCH": ARCH, **overrides}
@@ -107,7 +107,7 @@ def built(request, tmp_path_factory) -> dict[str, Any]:
 
 
 def engine_args(built, **changes: object) -> dict[str, object]:
-    from kernelcache.toolchains.vllm import engine_job
+    from kernelcache.toolchains.vllm.passes import engine_job
 
     workload = {**CONFIGS[built["config"]][0], "model": str(built["model"])}
     return {**engine_job(workload)["engine"], "jit_monitor_mode": "error", **changes}
@@ -146,7 +146,7 @@ def served(built, tmp_path, name, env=None, **changes):
 
 
 def test_served_strict_from_another_directory_meets_no_jit_and_answers_as_cold(built, tmp_path):
-    from kernelcache.toolchains.vllm import differing_outputs
+    from kernelcache.toolchains.vllm.engine import differing_outputs
 
     rc, result, log = served(built, tmp_path, "served")
     assert rc == 0 and result["sweep_error"] is None, log[-3000:]

@@ -3,6 +3,6 @@ package's module, whose state the runtime's hooks fill."""
 
 import sys
 
-from kernelcache.toolchains.vllm import main
+from kernelcache.toolchains.vllm.engine import main
 
 sys.exit(main(sys.argv[1:]))
