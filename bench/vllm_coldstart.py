@@ -240,6 +240,10 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=[], help="a stage not to run")
     parser.add_argument("--resume", action="store_true", help="skip the stages already saved")
     parser.add_argument("--budget-seconds", type=float, default=0, help="0: no limit")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=WORKLOAD["maxNumBatchedTokens"])  # fmt: skip
+    parser.add_argument("--moe-tuning", default="auto", choices=["off", "auto", "always"])
+    parser.add_argument("--moe-tuning-budget", type=int, default=600, help="seconds")
     parser.add_argument("--hold-gib", type=float, default=4.0, help="served_less_memory")
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=WORKLOAD["gpuMemoryUtilization"]
@@ -267,6 +271,8 @@ def main() -> int:
         "model": str(args.model.absolute()),
         "loadFormat": args.load_format,
         "gpuMemoryUtilization": args.gpu_memory_utilization,
+        "maxNumBatchedTokens": args.max_num_batched_tokens,
+        "moeTuning": {"mode": args.moe_tuning, "budgetSeconds": args.moe_tuning_budget},
     }
     stages_skipped = set(args.skip)
     env_extra: dict[str, str] = {}
@@ -348,8 +354,9 @@ def main() -> int:
         if rc != 0:
             return 1
     passes = stages["build"]["warmer"]["passes"]
-    cold_digest = passes[0]["outputs_digest"]
-    cold_digests = passes[0].get("output_digests", {})
+    cold = next(p for p in passes if not p.get("tuning_ended"))  # the engine that tuned ends
+    cold_digest = cold["outputs_digest"]
+    cold_digests = cold.get("output_digests", {})
 
     def compared(out: dict[str, Any], outputs: dict[str, Any]) -> dict[str, Any]:
         """Shape by shape against the compile Job's cold pass (and, in ``summary``, against

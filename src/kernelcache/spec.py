@@ -359,7 +359,15 @@ class VllmWorkload(BaseModel):
         default=3,
         ge=2,
         le=6,
-        description="Fresh engine processes at most; the last must meet no JIT at all.",
+        description="Fresh engine processes at most: a cold one, one that enumerates the "
+        "coverage, then ones set up as serving until one meets no JIT; what the last still "
+        "meets is named in the generation as a coverage gap.",
+    )
+    require_full_coverage: bool = Field(
+        default=False,
+        description="Strict serving refuses, before ready, a generation whose warm named "
+        "coverage gaps (kernels still loaded after ready); otherwise it serves it, says so and "
+        "counts what compiles. Either way the gaps show in status (CoverageComplete).",
     )
     moe_tuning: MoeTuning = Field(
         default_factory=MoeTuning,

@@ -1,32 +1,33 @@
-"""Coverage by enumeration: every fused-MoE specialization the engine's configuration allows.
+"""Coverage by enumeration through the engine's own forward: every kernel the engine's
+configuration lets a batch load, loaded before the engine is ready.
 
 A Triton kernel is specialized on what its arguments are at the call: the config vLLM picks
-for the token count (its tuned table's nearest entry, or its default), integers divisible by
-16 or equal to 1, the block-assignment path small batches take. Which token counts a served
-forward has depends on how requests batch, so a replayed sweep only samples them: a
-production-size MoE met specializations its warm had not (every start, strict: HTTP 500 at the
-first request). The engine can only ever run its MoE layers on 1 .. ``max_num_batched_tokens``
-tokens, so the warm runs each distinct MoE layer on every one of those counts, through the
-layer's own forward (the code path serving takes, whatever it selects), in the engine core
-right after the model loads: before vLLM's profile run and warm-up, which would load some of
-them first and hide them from the record. Triton's compilation listener tells which counts
-loaded a kernel the process had not loaded yet; those are the representatives, and the
-kernels they loaded (name and Triton's cache hash) are the family's specializations. The set
-is a function of the configuration alone (the GPU product's table and any tuned one,
-``tuning``, included): the same model, dtype, parallelism and token bound give the same set
-on every build.
+for the token count, integers divisible by 16 or equal to 1, and which path the batch takes
+(MLA's attention, for one, runs other kernels for a prefill whose batch mixes requests with
+and without context). Which batches a server forms depends on how requests arrive, so a
+replayed sweep only samples them, and calling layers from outside both misses what the batch
+selects and leaves the engine's state behind (DeepSeek's shared experts). So the warm drives
+the engine's worker itself, with batches shaped as its scheduler shapes them (``steps``:
+decode-only, prefill without and with context, prefills with and without context together,
+decodes beside a prefill), each at every token count the scheduler allows (1 ..
+``max_num_batched_tokens``; decode up to ``max_num_seqs``), through the worker's own
+``execute_model`` and ``sample_tokens`` (the compiled graphs, the attention metadata builders,
+MoE, the sampler), as vLLM's own kernel warm-up does. It runs at the end of vLLM's warm-up,
+right before the JIT monitor arms, in an engine started as serving starts (the generation's
+cache, vLLM's startup plan applied), so that what vLLM's own warm-up loads there is what it
+loads in serving too.
 
-Serving replays the representatives before the monitor arms (milliseconds each: every kernel
-comes from the generation's Triton cache) and checks that each recorded specialization is now
-loaded and none had to be compiled: a start whose configuration asks for more than the warm
-enumerated, or whose generation lacks a kernel, fails before it is ready, with one line naming
-the family and the specialization. After ready, a compile no longer refuses (strict or not):
-it is served, counted and recorded for the next build (``toolchains.vllm`` says why).
-
-What is not enumerated is named in the record (``not_enumerated``): the sampler's kernels (per
-request sampling parameters; vLLM's own warm-up runs them at ``max_num_seqs``) and the
-compiled graphs of each compile range and CUDA-graph size (vLLM's own warm-up compiles and
-captures every one of them from its configuration, before the monitor arms).
+Triton's compilation listener sees every kernel the process loads, compiled or read from the
+disk cache, once. Every one is recorded, of every family (``family``: fused MoE, attention,
+the compiled graphs, the sampler, ...): those vLLM's warm-up loaded, and those each
+enumerated forward loaded first, with its shape and token count (the representatives).
+Serving replays the representatives before the monitor arms and checks that every recorded
+kernel is then loaded and none had to be compiled: a start whose configuration differs from
+the one enumerated, or whose generation lacks a kernel, fails before it is ready, naming the
+family, the kernel and the batch. What the enumeration cannot form is named in the record
+(``not_enumerated``), and a kernel the warm's later passes still met after ready is a named
+gap (``gaps``: family, kernel, the batch it was met in), which serving accepts or, when the
+KernelCache demands full coverage and serving is strict, refuses before ready.
 
 Nothing here imports vLLM or torch at module level: the functions are handed vLLM's objects.
 """
@@ -46,34 +47,58 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache.errors import ColdCompileError
+from kernelcache.toolchains.vllm.steps import SHAPES, Limits, Steps
 
 log = logging.getLogger(__name__)
 
 MOE = "fused_moe"
-ENUMERATE = "enumerate"  # KERNELCACHE_VLLM_COVERAGE's value for the warm's first pass
+ENUMERATE = "enumerate"  # KERNELCACHE_VLLM_COVERAGE's value for the pass that enumerates
 FILE = "vllm-warmup/coverage.json"  # under files/
 TUNED_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM reads its fused-MoE tables here first
 MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # its tables' reader and names
+METHOD = "model runner dummy forward"  # how a record was derived (older ones: MoE layer calls)
+WARM_UP = "vLLM's warm-up"  # where a kernel loaded outside the enumerated forwards was met
 NOT_ENUMERATED = {
     "sampler": "sampling parameters are per request; vLLM's warm-up runs the sampler at "
     "max_num_seqs and the declared sweep runs greedy requests",
-    "compiled graphs": "vLLM's warm-up compiles every compile range and captures every "
-    "CUDA-graph size of its configuration before the JIT monitor arms (not replayed here)",
 }
+
+
+def family(kernel: str, module: str) -> str:
+    """The family a Triton kernel belongs to, from where it is defined: inductor's generated
+    kernels are the compiled graphs; vLLM's own by the package that holds them."""
+    if kernel.startswith("triton_") or module.startswith("torch._inductor"):
+        return "compiled graphs"
+    for part, name in (
+        ("fused_moe", MOE),
+        ("attention", "attention"),
+        ("attn", "attention"),
+        ("mla", "attention"),
+        ("sample", "sampler"),
+    ):
+        if part in module or part in kernel:
+            return name
+    return module.rpartition(".")[0] or module or "other"
 
 
 @dataclass(frozen=True)
 class Specialization:
-    """One kernel a family loads: its name, Triton's hash, the token count that loads it."""
+    """One kernel the engine loads: its name, Triton's hash, its family, and the forward that
+    first loaded it (a shape and token count), or None: vLLM's own warm-up loads it."""
 
     kernel: str
     hash: str
-    tokens: int
-    layer: str  # the MoE layer shape it was met through (``layer_signature``)
+    family: str
+    shape: str | None = None
+    tokens: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"a {self.shape} batch of {self.tokens} tokens" if self.shape else WARM_UP
 
     @property
     def label(self) -> str:
-        return f"{self.kernel} for {self.tokens} tokens ({self.layer}; triton {self.hash[:12]})"
+        return f"{self.family}: {self.kernel} ({self.where}; triton {self.hash[:12]})"
 
 
 @dataclass
@@ -81,12 +106,25 @@ class Coverage:
     """What the warm enumerated for one engine configuration (``FILE`` in the generation)."""
 
     engine: dict[str, Any] = field(default_factory=dict)  # the configuration it derives from
+    method: str = METHOD
+    shapes: dict[str, str] = field(default_factory=dict)  # shape -> the token counts run
     families: dict[str, dict[str, Any]] = field(default_factory=dict)
     not_enumerated: dict[str, str] = field(default_factory=lambda: dict(NOT_ENUMERATED))
+    gaps: list[dict[str, Any]] = field(default_factory=list)  # met after ready all the same
+    full_coverage_required: bool = False  # the KernelCache refuses a generation with gaps
+    seconds: float = 0.0  # what the enumeration took
 
-    def specializations(self, family: str) -> list[Specialization]:
-        entries = self.families.get(family, {}).get("specializations", [])
-        return [Specialization(**entry) for entry in entries]
+    def specializations(self, family: str | None = None) -> list[Specialization]:
+        return [
+            Specialization(**entry)
+            for name, data in sorted(self.families.items())
+            if family is None or name == family
+            for entry in data.get("specializations", [])
+        ]
+
+    def representatives(self) -> list[tuple[str, int]]:
+        """(shape, token count) of each enumerated forward that loaded a kernel first."""
+        return sorted({(s.shape, s.tokens) for s in self.specializations() if s.shape and s.tokens})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
@@ -97,22 +135,36 @@ class Coverage:
         if not path.is_file():
             return None
         data = json.loads(path.read_text())
-        return cls(
-            engine=data.get("engine", {}),
-            families=data.get("families", {}),
-            not_enumerated=data.get("not_enumerated", {}),
-        )
+        known = {name for name in cls.__dataclass_fields__}
+        coverage = cls(**{k: v for k, v in data.items() if k in known})
+        if "method" not in data:  # an older warm: fused-MoE layers called from outside
+            coverage.method = "fused-MoE layer calls"
+        return coverage
+
+    @property
+    def replayable(self) -> bool:
+        return self.method == METHOD
+
+    def gap_lines(self) -> list[str]:
+        return [f"{g['family']}: {g['kernel']} ({g['batch']})" for g in self.gaps]
 
     def summary(self) -> dict[str, str]:
-        """Family -> one line: how many specializations, derived from what."""
+        """Family -> one line: how many kernels, met how; then what was not enumerated and
+        the gaps."""
         lines = {}
-        for family, entry in sorted(self.families.items()):
-            lines[family] = (
-                f"{len(entry.get('specializations', []))} specializations from "
-                f"{len(entry.get('representatives', []))} token counts; {entry.get('derived', '')}"
+        for name, entry in sorted(self.families.items()):
+            specs = entry.get("specializations", [])
+            first = sum(1 for s in specs if s.get("shape"))
+            lines[name] = (
+                f"{len(specs)} kernels: {first} first loaded by the enumerated forwards, "
+                f"{len(specs) - first} by {WARM_UP}; {entry.get('derived', '')}"
             )
-        for family, why in sorted(self.not_enumerated.items()):
-            lines[family] = f"not enumerated: {why}"
+        for name, why in sorted(self.not_enumerated.items()):
+            lines[name] = f"not enumerated: {why}"
+        if self.gaps:
+            lines["gaps"] = f"{len(self.gaps)} kernel(s) still loaded after ready: " + "; ".join(
+                self.gap_lines()[:5]
+            )
         return lines
 
 
@@ -124,6 +176,8 @@ class _Load:
     kernel: str
     hash: str
     compiled: bool
+    family: str
+    forward: tuple[str, int] | None  # the enumerated forward it was loaded in, if any
 
 
 class Loads:
@@ -133,6 +187,7 @@ class Loads:
     def __init__(self) -> None:
         self.seen: list[_Load] = []
         self.hashes: set[str] = set()
+        self.forward: tuple[str, int] | None = None
 
     def install(self) -> None:
         from triton import knobs
@@ -143,26 +198,32 @@ class Loads:
             if previous is not None:
                 previous(src=src, cache_hit=cache_hit, **event)
             kernel_hash = str((event.get("metadata") or {}).get("hash", ""))
-            self.seen.append(_Load(getattr(src, "name", "?"), kernel_hash, not cache_hit))
+            name = getattr(src, "name", "?")
+            function = getattr(getattr(src, "fn", None), "fn", None)
+            module = str(getattr(function, "__module__", "") or "")
+            load = _Load(name, kernel_hash, not cache_hit, family(name, module), self.forward)
+            self.seen.append(load)
             self.hashes.add(kernel_hash)
 
         knobs.compilation.listener = listener
 
     @contextlib.contextmanager
-    def during(self) -> Iterator[list[_Load]]:
-        """The loads made inside the block."""
-        start = len(self.seen)
+    def during(self, forward: tuple[str, int] | None = None) -> Iterator[list[_Load]]:
+        """The loads made inside the block, attributed to ``forward``."""
+        start, before = len(self.seen), self.forward
+        self.forward = forward
         found: list[_Load] = []
         try:
             yield found
         finally:
+            self.forward = before
             found.extend(self.seen[start:])
 
 
 loads = Loads()
 
 
-# ---------------------------------------------------------------------- vLLM's MoE layers
+# ---------------------------------------------------------------------- the engine's configuration
 
 
 def layer_signature(layer: Any) -> str:
@@ -199,6 +260,7 @@ def engine_config(vllm_config: Any, layers: list[tuple[str, int, Any]]) -> dict[
     return {
         "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
         "max_num_seqs": int(scheduler.max_num_seqs),
+        "max_model_len": int(vllm_config.model_config.max_model_len),
         "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
         "tensor_parallel_size": int(parallel.tensor_parallel_size),
         "moe_layers": sorted(signature for signature, _, _ in layers),
@@ -225,85 +287,13 @@ def tuned_configs() -> dict[str, str]:
     }
 
 
-def layer_inputs(layer: Any, tokens: int) -> tuple[Any, Any]:
-    """Random hidden states and router logits for ``tokens`` tokens, on the layer's device."""
-    import torch
-
-    config = layer.moe_config
-    device = torch.device(config.device)
-    hidden = torch.randn(tokens, config.hidden_dim, dtype=config.in_dtype, device=device)
-    logits_dtype = getattr(config, "router_logits_dtype", None) or config.in_dtype
-    logits = torch.randn(tokens, config.num_experts, dtype=logits_dtype, device=device)
-    return hidden, logits
-
-
-def forward(vllm_config: Any, layer: Any, index: int, hidden: Any, logits: Any) -> None:
-    """The layer's forward on these inputs, as the model's forward calls it."""
-    import torch
-    from vllm.forward_context import get_forward_context, set_forward_context
-
-    tokens = int(hidden.shape[0])
-    with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=tokens):
-        context = get_forward_context()
-        if hasattr(context, "moe_layer_index"):
-            context.moe_layer_index = index
-        layer.forward(hidden, logits)
-
-
-def run_layer(vllm_config: Any, layer: Any, index: int, tokens: int) -> None:
-    """One forward of ``layer`` on ``tokens`` random tokens."""
-    forward(vllm_config, layer, index, *layer_inputs(layer, tokens))
-
-
-def enumerate_moe(vllm_config: Any) -> Coverage:
-    """Every token count 1 .. max_num_batched_tokens through each distinct MoE layer; the
-    counts that loaded a kernel not loaded before, and those kernels."""
-    import torch
-
-    layers = moe_layers(vllm_config)
-    engine = engine_config(vllm_config, layers)
-    bound = engine["max_num_batched_tokens"]
-    started = time.perf_counter()
-    specializations: list[Specialization] = []
-    representatives: set[int] = set()
-    for signature, index, layer in layers:
-        for tokens in range(1, bound + 1):
-            with loads.during() as found:
-                run_layer(vllm_config, layer, index, tokens)
-            for load in found:
-                specializations.append(Specialization(load.kernel, load.hash, tokens, signature))
-                representatives.add(tokens)
-            if tokens % 1024 == 0:
-                log.info(
-                    "kernelcache: fused-MoE coverage: %s: %d/%d token counts, %d kernels",
-                    signature,
-                    tokens,
-                    bound,
-                    len(specializations),
-                )
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    coverage = Coverage(engine=engine)
-    if sizes := graph_sizes(vllm_config):
-        coverage.not_enumerated["compiled graphs"] = (
-            f"{NOT_ENUMERATED['compiled graphs']}; this configuration's: {sizes}"
-        )
-    if layers:
-        coverage.families[MOE] = {
-            "derived": f"every token count 1..{bound} (max_num_batched_tokens) through the "
-            f"forward of {len(layers)} distinct MoE layer shape(s)",
-            "representatives": sorted(representatives),
-            "specializations": [asdict(s) for s in specializations],
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-    log.info(
-        "kernelcache: fused-MoE coverage enumerated: %d specializations from %d token counts "
-        "in %.1f s",
-        len(specializations),
-        len(representatives),
-        time.perf_counter() - started,
+def limits(vllm_config: Any) -> Limits:
+    scheduler = vllm_config.scheduler_config
+    return Limits(
+        int(scheduler.max_num_batched_tokens),
+        int(scheduler.max_num_seqs),
+        int(vllm_config.model_config.max_model_len),
     )
-    return coverage
 
 
 def graph_sizes(vllm_config: Any) -> str:
@@ -332,41 +322,118 @@ def differences(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> list[st
     ]
 
 
-def replay(vllm_config: Any, coverage: Coverage) -> float:
-    """Load every recorded specialization before the engine is ready, or raise one line
-    naming the first one that is not in the generation (or the configuration that differs).
+# ---------------------------------------------------------------------- the forwards
 
-    A kernel the replay had to compile, or a recorded one it did not load, is missing; in
-    strict mode Triton's cache manager already refused the compile (a ColdCompileError)."""
+
+def _synchronize() -> None:
+    torch = importlib.import_module("torch")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def enumerate_forwards(worker: Any, vllm_config: Any) -> Coverage:
+    """Every batch shape at every token count through the worker's own steps (``steps``);
+    every kernel the process has loaded, each with the batch that loaded it first."""
+    bound = limits(vllm_config)
+    engine = engine_config(vllm_config, moe_layers(vllm_config))
+    steps = Steps(worker)
     started = time.perf_counter()
-    layers = {signature: (index, layer) for signature, index, layer in moe_layers(vllm_config)}
-    here = engine_config(vllm_config, [(s, i, x) for s, (i, x) in layers.items()])
+    warmed_up = len(loads.seen)  # vLLM's own warm-up (and the model's load) loaded these
+    coverage = Coverage(engine=engine)
+    for shape, batch_of in SHAPES.items():
+        ran: list[int] = []
+        for tokens in range(1, bound.max_num_batched_tokens + 1):
+            batch = batch_of(tokens, bound)
+            if batch is None or not steps.fits(batch):
+                continue
+            try:
+                with loads.during((shape, tokens)):
+                    steps.run(batch)
+            except ColdCompileError:
+                raise
+            except Exception as exc:  # vLLM refuses the shape here: named, not guessed
+                why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+                coverage.not_enumerated[f"{shape} batches from {tokens} tokens"] = (
+                    f"the engine raised {why}"
+                )
+                log.warning("kernelcache: coverage: %s batches stop at %d tokens: %s",
+                            shape, tokens, why)  # fmt: skip
+                break
+            ran.append(tokens)
+            if tokens % 512 == 0:
+                log.info(
+                    "kernelcache: coverage: %s batches: %d/%d token counts, %d kernels",
+                    shape, tokens, bound.max_num_batched_tokens, len(loads.seen),
+                )  # fmt: skip
+        coverage.shapes[shape] = f"{min(ran)}..{max(ran)} tokens" if ran else "none formed"
+    _synchronize()
+    by_family: dict[str, list[Specialization]] = {}
+    for load in loads.seen:  # an enumerated batch's first loads name it; the rest: warm-up
+        by_family.setdefault(load.family, []).append(
+            Specialization(load.kernel, load.hash, load.family, *(load.forward or (None, None)))
+        )
+    for name, specs in sorted(by_family.items()):
+        coverage.families[name] = {
+            "derived": "every batch shape at every token count through the engine's own steps",
+            "specializations": [asdict(s) for s in specs],
+        }
+    if sizes := graph_sizes(vllm_config):
+        coverage.shapes[WARM_UP] = sizes
+    coverage.seconds = round(time.perf_counter() - started, 3)
+    log.info(
+        "kernelcache: coverage enumerated: %d kernels in %d families, %d first loaded by "
+        "%d batches (%s) in %.1f s",
+        sum(len(s) for s in by_family.values()),
+        len(by_family),
+        len(loads.seen) - warmed_up,
+        len(coverage.representatives()),
+        "; ".join(f"{shape} {counts}" for shape, counts in coverage.shapes.items()),
+        coverage.seconds,
+    )
+    return coverage
+
+
+def replay(worker: Any, vllm_config: Any, coverage: Coverage) -> float:
+    """Load every recorded kernel before the engine is ready, or raise one line naming the
+    first one that is not in the generation (or the configuration that differs).
+
+    A kernel the replay had to compile, or a recorded one not loaded by the end, is missing;
+    in strict mode Triton's cache manager already refused the compile (a ColdCompileError)."""
+    import torch
+
+    started = time.perf_counter()
+    here = engine_config(vllm_config, moe_layers(vllm_config))
     if changed := differences(coverage.engine, here):
         raise ColdCompileError(
             f"vllm coverage: the engine's configuration is not the one the generation "
             f"enumerated ({changed[0]}): rebuild the KernelCache with this configuration"
         )
-    wanted = coverage.specializations(MOE)
-    by_tokens: dict[tuple[str, int], list[Specialization]] = {}
-    for spec in wanted:
-        by_tokens.setdefault((spec.layer, spec.tokens), []).append(spec)
-    for (signature, tokens), specs in sorted(by_tokens.items()):
-        index, layer = layers[signature]
-        try:
-            with loads.during() as found:
-                run_layer(vllm_config, layer, index, tokens)
-        except ColdCompileError as exc:
-            raise ColdCompileError(
-                f"vllm coverage: {MOE}: {specs[0].label} is not in the generation ({exc})"
-            ) from None
-        if compiled := [load for load in found if load.compiled]:
-            raise ColdCompileError(
-                f"vllm coverage: {MOE}: {compiled[0].kernel} for {tokens} tokens ({signature}) "
-                f"had to be compiled: the generation lacks it"
-            )
-    if lost := [spec for spec in wanted if spec.hash not in loads.hashes]:
+    steps, bound = Steps(worker), limits(vllm_config)
+    with torch.inference_mode():
+        for shape, tokens in coverage.representatives():
+            batch = SHAPES[shape](tokens, bound) if shape in SHAPES else None
+            if batch is None:
+                raise ColdCompileError(
+                    f"vllm coverage: the generation names a {shape} batch of {tokens} tokens, "
+                    "which this kernelcache cannot form: rebuild the KernelCache"
+                )
+            try:
+                with loads.during((shape, tokens)) as found:
+                    steps.run(batch)
+            except ColdCompileError as exc:
+                raise ColdCompileError(
+                    f"vllm coverage: a {shape} batch of {tokens} tokens loads a kernel the "
+                    f"generation lacks ({exc})"
+                ) from None
+            if compiled := [load for load in found if load.compiled]:
+                raise ColdCompileError(
+                    f"vllm coverage: {compiled[0].family}: {compiled[0].kernel} for a {shape} "
+                    f"batch of {tokens} tokens had to be compiled: the generation lacks it"
+                )
+    _synchronize()
+    if lost := [spec for spec in coverage.specializations() if spec.hash not in loads.hashes]:
         raise ColdCompileError(
-            f"vllm coverage: {MOE}: {lost[0].label} was not loaded by its token count here "
-            "(the engine selects other kernels than the warm did)"
+            f"vllm coverage: {lost[0].label} was not loaded here before ready (the engine "
+            "selects other kernels than the warm did)"
         )
     return round(time.perf_counter() - started, 3)

@@ -20,8 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernelcache.toolchains.vllm import coverage
-
 if TYPE_CHECKING:
     pass
 
@@ -198,7 +196,8 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
         env.pop(contract.VLLM_COVERAGE.name, None)
         env.pop(contract.VLLM_MOE_TUNING.name, None)
         if job["runtime"] == "warm":
-            env[contract.VLLM_COVERAGE.name] = job.get("coverage") or coverage.ENUMERATE
+            if job.get("coverage"):
+                env[contract.VLLM_COVERAGE.name] = job["coverage"]
             if job.get("tune"):
                 env[contract.VLLM_MOE_TUNING.name] = json.dumps(job["tune"])
     engine, sweep = job["engine"], job["sweep"]
@@ -208,7 +207,13 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
     outputs: dict[str, list[list[int]]] = {}
     shape_seconds: dict[str, list[float]] = {}  # each request's time, per shape (the bench's)
     try:
-        first_generate = _wait_ready(server, port, str(engine["model"]), job.get("ready_timeout"))
+        first_generate = _wait_ready(
+            server,
+            port,
+            str(engine["model"]),
+            job.get("ready_timeout"),
+            lambda: read_states(state_dir, server.proc.pid)["tuning_ended"],
+        )
         ready = time.time()
         for plan in [sweep, *job.get("more_sweeps", [])]:  # the bench's shapes outside
             for length in plan["prompt_lengths"]:
@@ -220,6 +225,8 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
                     outputs[f"{length}x{batch}"] = tokens
                     seconds = round(time.perf_counter() - began, 4)
                     shape_seconds.setdefault(f"{length}x{batch}", []).append(seconds)
+    except _TuningEnded:
+        pass  # not an error: the pass that tuned ends before its engine is ready
     except (OSError, ValueError, KeyError, TimeoutError) as exc:  # the engine died, or refused
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
     finished = time.time()
@@ -245,10 +252,18 @@ def drive(job: dict[str, Any], started: float) -> dict[str, Any]:
     }
 
 
-def _wait_ready(server: _Server, port: int, model: str, timeout: float | None) -> float:
-    """Until ``/health`` answers 200, then one completion; the seconds that one took."""
+class _TuningEnded(Exception):
+    """The engine core ended after tuning the MoE tables (``hooks.prepare``)."""
+
+
+def _wait_ready(server: _Server, port: int, model: str, timeout: float | None, ended: Any) -> float:
+    """Until ``/health`` answers 200, then one completion; the seconds that one took.
+    ``ended()``: whether the engine core said it ended after tuning (the API server then goes
+    down, or waits, without a ready engine)."""
     limit = time.monotonic() + (timeout or 1800)
     while True:
+        if ended():
+            raise _TuningEnded
         if server.proc.poll() is not None:
             said = [line for _, line in server.lines if line.strip()]
             raise OSError(
@@ -297,7 +312,8 @@ def read_states(directory: Path, server_pid: int) -> dict[str, Any]:
         "preload_seconds": engine.get("preload_seconds", 0.0),
         "coverage": engine.get("coverage"),
         "coverage_seconds": engine.get("coverage_seconds"),
-        "moe_tuning": engine.get("moe_tuning"),
+        "moe_tuning": next((s["moe_tuning"] for s in states if s.get("moe_tuning")), None),
+        "tuning_ended": any(one.get("tuning_ended") for one in states),
         "startup_plan": engine.get("startup_plan"),
         "jit_events": [event for one in states for event in one["events"]],
         "cold_compiles": compiles,

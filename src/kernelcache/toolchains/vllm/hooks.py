@@ -41,7 +41,7 @@ class State:
 
     sizes: list[int] = field(default_factory=list)  # token counts run before the monitor arms
     coverage: Coverage | None = None  # replayed before the monitor arms (serving)
-    enumerate: bool = False  # the warm's first pass: enumerate the coverage instead
+    enumerate: bool = False  # the warm's enumerating pass: enumerate the coverage instead
     enumerated: dict[str, Any] | None = None
     coverage_seconds: float | None = None
     tuning: dict[str, Any] | None = None  # the warm's first pass: tune (mode, budget_seconds)
@@ -52,6 +52,7 @@ class State:
     preload_seconds: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)
     forward_tokens: int | None = None  # tokens of the forward running now
+    forward_batch: str | None = None  # the batch it runs, in words (``describe``)
     worker: Any = None  # the worker warming up, until it has
     startup_plan: dict[str, Any] | None = None  # whether vLLM applied its startup plan
     state_dir: Path | None = None
@@ -60,6 +61,7 @@ class State:
     # into a scratch cache): not this process's kernels.
     compiles_not_counted: dict[tuple[str, str], float] = field(default_factory=dict)
     dumped: tuple[Any, ...] = ()
+    tuning_ended: bool = False  # the engine that tuned stops after it (``prepare``)
 
 
 state = State()
@@ -170,6 +172,7 @@ def dump(force: bool = False) -> None:
         "coverage": state.enumerated,
         "coverage_seconds": state.coverage_seconds,
         "moe_tuning": state.tuned,
+        "tuning_ended": state.tuning_ended,
         "events": state.events,
         "startup_plan": state.startup_plan,
         "cold_compiles": {f"{t}/{k}": v for (t, k), v in compiles.items()},
@@ -193,7 +196,10 @@ def _hook_monitor(module: Any) -> None:
         if worker is not None:
             if state.sizes:
                 preload(worker.model_runner, state.sizes)
-            cover(worker.vllm_config)
+            if state.enumerate:
+                enumerate_coverage(worker, worker.vllm_config)
+            else:
+                cover(worker, worker.vllm_config)
         # Ready from here: a compile is served and counted, not refused (``runtime.ready``).
         ready.mark_ready()
         state.monitor_mode = mode
@@ -204,7 +210,14 @@ def _hook_monitor(module: Any) -> None:
         *, backend: str, event: str, fn_name: str, detail: str | None = None
     ) -> None:
         metrics.record_vllm_jit_event(backend, fn_name, state.forward_tokens)
-        state.events.append({"backend": backend, "kernel": fn_name, "tokens": state.forward_tokens})
+        state.events.append(
+            {
+                "backend": backend,
+                "kernel": fn_name,
+                "tokens": state.forward_tokens,
+                "batch": state.forward_batch,
+            }
+        )
         dump()
         handle(backend=backend, event=event, fn_name=fn_name, detail=detail)
 
@@ -213,32 +226,57 @@ def _hook_monitor(module: Any) -> None:
 
 
 def prepare(vllm_config: Any) -> None:
-    """The warm's first pass, the model loaded and nothing run yet: tune the MoE tables (when
-    asked), then enumerate the fused-MoE coverage, unless a table was written (a fresh engine
-    reading it enumerates, in the next pass). Before vLLM's profile run and warm-up, so that
-    no MoE kernel is loaded yet and each one's first load is seen."""
-    if state.tuning is not None:
-        tune_moe(vllm_config, state.tuning)
-    if not state.enumerate:
+    """The model loaded and nothing run yet: tune the MoE tables, when asked. The tuning runs
+    MoE layers from outside the model, which leaves layer state behind (a shared expert's
+    output slot, a config vLLM cached), so the engine that tuned serves nothing afterwards: it
+    says so, writes what it did and ends here; a fresh engine, reading the tables, builds the
+    cache in the next pass."""
+    if state.tuning is None:
         return
-    if tuning.tuned(state.tuned):
-        log.info("kernelcache: fused-MoE coverage is enumerated by the next engine process, "
-                 "with the tables tuned here")  # fmt: skip
-    else:
-        state.enumerated = asdict(coverage.enumerate_moe(vllm_config))
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()  # vLLM's memory profile after this sees none of it
+    tune_moe(vllm_config, state.tuning)
+    if not tuning.ran_layers(state.tuned):
+        return  # nothing ran from outside: this engine goes on as the cold pass
+    state.tuning_ended = True
+    log.info(
+        "kernelcache: the engine that tuned the MoE tables ends here (its layers were run from "
+        "outside the model); a fresh engine reads the tables in the next pass"
+    )
+    dump(force=True)
+    logging.shutdown()
+    os._exit(0)
+
+
+def enumerate_coverage(worker: Any, vllm_config: Any) -> None:
+    """The warm's enumerating pass, right before the monitor arms: every batch shape at every
+    token count through the model runner's own dummy forward (``coverage``)."""
+    enumerated = coverage.enumerate_forwards(worker, vllm_config)
+    state.enumerated = asdict(enumerated)
+    state.coverage_seconds = enumerated.seconds
     dump(force=True)  # the enumeration changes nothing dump() compares
 
 
-def cover(vllm_config: Any) -> None:
-    """Replay the generation's fused-MoE coverage: a specialization it lacks fails the start
-    here, before the engine is ready."""
-    if state.coverage is None:
+def cover(worker: Any, vllm_config: Any) -> None:
+    """Replay the generation's coverage: a kernel it lacks fails the start here, before the
+    engine is ready; so does a generation with named gaps when the KernelCache demands full
+    coverage and serving is strict."""
+    recorded = state.coverage
+    if recorded is None:
         return
     try:
-        state.coverage_seconds = coverage.replay(vllm_config, state.coverage)
+        if not recorded.replayable:
+            log.warning(
+                "kernelcache: the generation's coverage was recorded by %s, which this "
+                "kernelcache does not replay: rebuild the KernelCache",
+                recorded.method,
+            )
+            return
+        if recorded.gaps and recorded.full_coverage_required:
+            raise ColdCompileError(
+                f"vllm coverage: the generation names {len(recorded.gaps)} kernel(s) the warm "
+                f"still met after ready (e.g. {recorded.gap_lines()[0]}) and the KernelCache "
+                "demands full coverage"
+            )
+        state.coverage_seconds = coverage.replay(worker, vllm_config, recorded)
     except ColdCompileError as exc:
         metrics.record_verify_failure("coverage")
         if state.strict:
@@ -246,10 +284,12 @@ def cover(vllm_config: Any) -> None:
         log.warning("kernelcache: %s; the engine compiles what is missing", exc)
         return
     log.info(
-        "kernelcache: fused-MoE coverage loaded before the engine is ready: %d "
-        "specializations in %.2f s",
-        len(state.coverage.specializations(coverage.MOE)),
+        "kernelcache: coverage loaded before the engine is ready: %d kernels, %d forwards "
+        "replayed in %.2f s%s",
+        len(recorded.specializations()),
+        len(recorded.representatives()),
         state.coverage_seconds,
+        f"; {len(recorded.gaps)} named gap(s): {recorded.gap_lines()[0]}" if recorded.gaps else "",
     )
     dump()
 
@@ -358,13 +398,30 @@ def _hook_runner(runner_class: Any) -> None:
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         state.forward_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        state.forward_batch = describe(scheduler_output)
         try:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
-            state.forward_tokens = None
+            state.forward_tokens = state.forward_batch = None
             dump()
 
     runner_class.execute_model = execute_model
+
+
+def describe(scheduler_output: Any) -> str | None:
+    """A served batch in words (how many requests, new or continued, the longest query and
+    how many new requests came with cached context): where a gap was met."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not isinstance(scheduled, Mapping) or not scheduled:
+        return None
+    new = list(getattr(scheduler_output, "scheduled_new_reqs", None) or [])
+    with_context = sum(1 for r in new if int(getattr(r, "num_computed_tokens", 0) or 0) > 0)
+    queries = [int(n) for n in scheduled.values()]
+    return (
+        f"{sum(queries)} tokens in {len(queries)} requests ({len(new)} new, {with_context} of "
+        f"them with cached context); longest query {max(queries)}, "
+        f"{sum(1 for n in queries if n == 1)} of one token"
+    )
 
 
 def preload(runner: Any, sizes: list[int]) -> None:

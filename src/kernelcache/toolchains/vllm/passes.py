@@ -109,26 +109,34 @@ class VllmWarmer(Warmer):
         bound = workload.max_num_batched_tokens
         sizes: set[int] = {n for n in learned.sizes(self.learned) if not bound or n <= bound}
         modules: set[str] = set()
+        kernels: set[str] = set()
         enumerated: Coverage | None = None
         coverage_file = Path(tempfile.mkdtemp(prefix="kernelcache-vllm-coverage-")) / "c.json"
         tune = workload.moe_tuning if workload.moe_tuning.mode != "off" else None
-        serving, counted = False, 0
-        kernels: set[str] = set()
-        # A pass that tuned MoE tables leaves the enumeration to the next (a fresh engine
-        # reading them): it does not count against maxPasses.
+        # The passes: a cold one (it compiles; first it tunes the MoE tables when asked, and
+        # when the tuning ran layers from outside, that engine ends and does not count); one
+        # set up as serving that enumerates the coverage before the monitor arms; then ones
+        # set up as serving that replay it, until one meets no JIT or maxPasses is spent.
+        counted = 0
         while counted < workload.max_passes:
+            enumerating = counted == 1
+            serving = counted >= 1
+            mode = coverage.ENUMERATE if enumerating else str(coverage_file) if serving else None
             result = run_pass(
                 workload,
                 env,
                 sorted(sizes),
                 serving,
                 self.config.timeout_seconds,
-                coverage_file if serving else None,
+                mode,
                 tune if not report.passes else None,
             )
-            tuned = tuning.tuned(result.get("moe_tuning"))
-            counted += 0 if tuned else 1
             report.passes.append(pass_summary(result))
+            if not report.moe_tuning and result.get("moe_tuning"):
+                report.moe_tuning = result["moe_tuning"]
+            if result.get("tuning_ended"):
+                continue  # a fresh engine reads the tables: the cold pass is the next
+            counted += 1
             if not any(p["armed"] and not p["server"] for p in result["processes"]):
                 raise WarmError(
                     f"{self.label}: kernelcache's hooks did not run in vLLM's engine core "
@@ -136,34 +144,37 @@ class VllmWarmer(Warmer):
                     "loads the runtime in every process vllm serve starts)"
                 )
             modules.update(result["flashinfer_modules"])
-            if len(report.passes) == 1 and tune:
-                report.moe_tuning = result.get("moe_tuning")
-            if not serving:
+            if not serving or enumerating:  # their compiles are the generation's kernels
                 kernels.update(k for _, k in _compiled(result))
                 report.compiled += len(_compiled(result))
                 _merge_compiled(report.compiled_by_toolchain, result["compiled_by_toolchain"])
-                if result.get("coverage"):
-                    enumerated = Coverage(**result["coverage"])
-                    coverage_file.write_text(enumerated.to_json())
-                    serving = True
-                elif not tuned:
-                    serving = True  # no coverage to replay: the next pass is serving's all the same
+            if enumerating:
+                if not result.get("coverage"):
+                    raise WarmError(f"{self.label}: the engine did not enumerate its coverage")
+                enumerated = Coverage(**result["coverage"])
+                enumerated.full_coverage_required = workload.require_full_coverage
+                coverage_file.write_text(enumerated.to_json())
+                if not result["jit_events"] and counted >= workload.max_passes:
+                    break
+                sizes |= {e["tokens"] for e in result["jit_events"] if e["tokens"]}
                 continue
-            if not result["jit_events"] and not result["cold_compiles"]:
+            if serving and not result["jit_events"] and not result["cold_compiles"]:
                 break
-            unplaced = [e for e in result["jit_events"] if not e["tokens"]]
-            if unplaced:
-                raise WarmError(
-                    f"{self.label}: vLLM's JIT monitor saw {unplaced[0]['kernel']} outside a "
-                    "forward (the sampler?): no warmed size can cover it"
-                )
-            sizes |= {e["tokens"] for e in result["jit_events"]}
+            sizes |= {e["tokens"] for e in result["jit_events"] if e["tokens"]}
         else:
-            last = report.passes[-1]
-            seen = [e["kernel"] for e in last["jit_events"]] or [k for k in last["cold_compiles"]]
-            raise WarmError(
-                f"{self.label}: still JIT after {workload.max_passes} engine processes "
-                f"(e.g. {seen[0] if seen else '?'}); declare fewer shapes or more maxPasses"
+            if enumerated is None:
+                raise WarmError(
+                    f"{self.label}: maxPasses {workload.max_passes} left no pass to enumerate "
+                    "the coverage in"
+                )
+            enumerated.gaps = gaps(report.passes[-1])
+            log.warning(
+                "%s: %d kernel(s) still met after ready in the last of %d engine processes, "
+                "named in the generation as gaps: %s",
+                self.label,
+                len(enumerated.gaps),
+                workload.max_passes,
+                "; ".join(enumerated.gap_lines()[:3]),
             )
         report.kernels = sorted(kernels)
         report.preload_sizes = sorted(sizes)
@@ -190,6 +201,30 @@ class VllmWarmer(Warmer):
             report.coverage[f"{coverage.MOE} tables"] = said
         report.cache_key_factors = cache_key_factors(target)
         report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
+
+
+def gaps(last: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What a pass still met after ready (vLLM's monitor's events, then compiles it did not
+    see), one entry per kernel: family, kernel, the batch it was met in."""
+    found: dict[str, dict[str, Any]] = {}
+    for event in last["jit_events"]:
+        kernel = str(event["kernel"])
+        batch = event.get("batch") or (
+            f"a served forward of {event['tokens']} tokens"
+            if event.get("tokens")
+            else "outside a forward"
+        )
+        found.setdefault(kernel, {
+            "family": coverage.family(kernel, ""), "kernel": kernel,
+            "tokens": event.get("tokens"), "batch": batch,
+        })  # fmt: skip
+    for name in last["cold_compiles"]:
+        toolchain, _, kernel = str(name).partition("/")
+        found.setdefault(kernel, {
+            "family": toolchain, "kernel": kernel, "tokens": None,
+            "batch": "compiled after the coverage was replayed",
+        })  # fmt: skip
+    return list(found.values())
 
 
 def keep_flashinfer_modules(files_dir: Path, modules: list[str]) -> list[str]:
@@ -233,6 +268,7 @@ def pass_summary(result: dict[str, Any]) -> dict[str, Any]:
         "sweep_seconds",
         "torch_compile_seconds",
         "coverage_seconds",
+        "tuning_ended",
         "processes",
         "startup_plan",
         "flashinfer_modules",
@@ -272,13 +308,14 @@ def run_pass(
     sizes: list[int],
     serving: bool,
     timeout: int,
-    replayed: Path | None = None,
+    coverage_mode: str | None = None,
     tune: MoeTuning | None = None,
 ) -> dict[str, Any]:
     """One engine process (``drive``); its result, or a WarmError with its last line.
 
-    Without ``replayed`` the engine enumerates the fused-MoE coverage right after its model
-    loads; with it, it replays that coverage before the JIT monitor arms, as serving does.
+    ``coverage_mode``: ``coverage.ENUMERATE`` (the engine enumerates its coverage before the
+    JIT monitor arms), a coverage file's path (it replays that one there, as serving does), or
+    None (neither: the cold pass).
     With ``tune`` it first tunes the fused-MoE tables (``tuning``). The engine's log streams
     through as it runs."""
     from kernelcache.toolchains import serving_settings
@@ -289,7 +326,7 @@ def run_pass(
             "sweep": sweep_plan(workload),
             "runtime": "warm",
             "preload": sizes,
-            "coverage": str(replayed) if replayed is not None else None,
+            "coverage": coverage_mode,
             "tune": tune.model_dump() if tune is not None else None,
             "result": str(Path(tmp) / "result.json"),
         }

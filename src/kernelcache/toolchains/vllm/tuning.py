@@ -77,6 +77,33 @@ def neighbors(config: Config) -> Iterator[Config]:
             yield {**config, name: value}
 
 
+def layer_inputs(layer: Any, tokens: int) -> tuple[Any, Any]:
+    """Random hidden states and router logits for ``tokens`` tokens, on the layer's device."""
+    import torch
+
+    config = layer.moe_config
+    device = torch.device(config.device)
+    hidden = torch.randn(tokens, config.hidden_dim, dtype=config.in_dtype, device=device)
+    logits_dtype = getattr(config, "router_logits_dtype", None) or config.in_dtype
+    logits = torch.randn(tokens, config.num_experts, dtype=logits_dtype, device=device)
+    return hidden, logits
+
+
+def forward(vllm_config: Any, layer: Any, index: int, hidden: Any, logits: Any) -> None:
+    """The layer's forward on these inputs, as the model's forward calls it: from outside the
+    model, which leaves layer state behind (a shared expert's output slot), so the engine that
+    tuned serves nothing afterwards (``hooks.prepare``)."""
+    import torch
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    tokens = int(hidden.shape[0])
+    with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=tokens):
+        context = get_forward_context()
+        if hasattr(context, "moe_layer_index"):
+            context.moe_layer_index = index
+        layer.forward(hidden, logits)
+
+
 def buckets(bound: int) -> list[int]:
     """The batch buckets a table for an engine of ``bound`` tokens per forward holds."""
     inside = [n for n in BUCKETS if n <= bound]
@@ -243,6 +270,11 @@ def tuned(report: Mapping[str, Any] | None) -> list[str]:
     return [shape["file"] for shape in shapes if shape.get("tuned")]
 
 
+def ran_layers(report: Mapping[str, Any] | None) -> bool:
+    """Whether the tuning ran a MoE layer (timed a bucket): its engine then serves nothing."""
+    return any(shape.get("buckets") for shape in (report or {}).get("shapes", []))
+
+
 def summary(report: Mapping[str, Any] | None) -> str:
     """One line of what a warm's tuning did per shape (``kernelcache inspect`` and
     ``explain`` show it beside the coverage)."""
@@ -328,8 +360,8 @@ def timer(vllm_config: Any, shape: Shape, scratch: str, report: Report) -> Measu
     def once(tokens: int) -> None:
         if tokens not in inputs:
             inputs.clear()
-            inputs[tokens] = coverage.layer_inputs(shape.layer, tokens)
-        coverage.forward(vllm_config, shape.layer, shape.index, *inputs[tokens])
+            inputs[tokens] = layer_inputs(shape.layer, tokens)
+        forward(vllm_config, shape.layer, shape.index, *inputs[tokens])
 
     def measure(config: Config, tokens: int) -> float | None:
         with override(dict(config)), knobs.cache.scope():

@@ -42,3 +42,10 @@ def write_cache(root: Path, model: str, dtype: str, rank: int = 0) -> None:
     (path.parent / "cache_key_factors.json").write_text(
         json.dumps({"model": model, "dtype": dtype})
     )
+
+
+class SamplingParams:
+    """As vLLM's: how a request samples (the stand-in samples nothing)."""
+
+    def __init__(self, max_tokens: int | None = 16, temperature: float = 1.0, **_: object):
+        self.max_tokens, self.temperature = max_tokens, temperature

@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,44 @@ from typing import Any
 log = logging.getLogger("vllm.entrypoints")
 
 
-@dataclass
-class _Scheduled:
-    total_num_scheduled_tokens: int
+def steps(prompts: list[list[int]], max_tokens: int, budget: int) -> list[Any]:
+    """The steps vLLM's scheduler forms for these prompts: chunked prefill in order within the
+    token budget (a request continued in a later step has its earlier chunks as context), one
+    decode step per generated token, then the requests finished."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    computed = [0] * len(prompts)
+    batches = []
+    while any(done < len(p) for done, p in zip(computed, prompts, strict=True)):
+        left, step = budget, SchedulerOutput.make_empty()
+        for index, prompt in enumerate(prompts):
+            take = min(len(prompt) - computed[index], left)
+            if take <= 0:
+                continue
+            if computed[index] == 0:
+                step.scheduled_new_reqs.append(NewRequestData(ids[index], prompt, ([],), 0))
+            else:
+                step.scheduled_cached_reqs.req_ids.append(ids[index])
+                step.scheduled_cached_reqs.num_computed_tokens.append(computed[index])
+            step.num_scheduled_tokens[ids[index]], left = take, left - take
+            computed[index] += take
+        step.total_num_scheduled_tokens = budget - left
+        batches.append(step)
+    for generated in range(max_tokens):
+        step = SchedulerOutput.make_empty()
+        step.scheduled_cached_reqs = CachedRequestData(
+            list(ids),
+            [len(p) + generated for p in prompts],
+            [None] * len(ids),
+            [generated] * len(ids),
+        )
+        step.num_scheduled_tokens = dict.fromkeys(ids, 1)
+        step.total_num_scheduled_tokens = len(ids)
+        batches.append(step)
+    finish = SchedulerOutput.make_empty()
+    finish.finished_req_ids = set(ids)
+    return [*batches, finish]
 
 
 def engine_core(conn: Any, args: argparse.Namespace) -> None:
@@ -39,6 +73,8 @@ def engine_core(conn: Any, args: argparse.Namespace) -> None:
             rank,
             args.tensor_parallel_size,
             args.max_num_batched_tokens,
+            args.max_num_seqs,
+            args.max_model_len,
         )
         for rank in range(args.tensor_parallel_size)
     ]
@@ -60,12 +96,8 @@ def engine_core(conn: Any, args: argparse.Namespace) -> None:
         request = conn.recv()
         try:
             prompts, max_tokens = request["prompts"], request["max_tokens"]
-            tokens = sum(len(p) for p in prompts)
-            while tokens > 0:
-                runner.execute_model(_Scheduled(min(tokens, args.max_num_batched_tokens)))
-                tokens -= args.max_num_batched_tokens
-            for _ in range(max_tokens):
-                runner.execute_model(_Scheduled(len(prompts)))
+            for batch in steps(prompts, max_tokens, args.max_num_batched_tokens):
+                runner.execute_model(batch)
             if os.environ.get("FAKE_VLLM_SAMPLER_KERNEL"):  # a kernel no warm-up loads
                 from vllm.model_executor.layers.fused_moe import load
 
@@ -90,7 +122,10 @@ class _Engine:
         threading.Thread(target=self._wait_ready, daemon=True).start()
 
     def _wait_ready(self) -> None:
-        answer = self.conn.recv()
+        try:
+            answer = self.conn.recv()
+        except EOFError:  # the engine core exited while starting, as vLLM's API server sees it
+            answer = {"error": "Engine core initialization failed. See root cause above."}
         if "error" in answer:
             self.dead = answer["error"]
             log.error("Engine core initialization failed: %s", self.dead)
@@ -163,6 +198,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--jit-monitor-mode", default="warn")
     args, _ = parser.parse_known_args(sys.argv[2:])

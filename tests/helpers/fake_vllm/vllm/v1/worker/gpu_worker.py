@@ -17,6 +17,7 @@ log = logging.getLogger("vllm.worker")
 class _ModelConfig:
     model: str
     dtype: str = "bfloat16"
+    max_model_len: int = 2048
 
 
 @dataclass
@@ -61,7 +62,9 @@ def moe_layers(model: str, config: _VllmConfig) -> None:
     )
     for layer in range(c["num_hidden_layers"]):
         name = f"model.layers.{layer}.mlp.experts"
-        config.compilation_config.static_forward_context[name] = MoERunner(name, moe)
+        config.compilation_config.static_forward_context[name] = MoERunner(
+            name, moe, int(c.get("n_shared_experts") or 0)
+        )
         config.compilation_config.static_all_moe_layers.append(name)
 
 
@@ -84,12 +87,14 @@ class Worker:
         rank: int = 0,
         world_size: int = 1,
         max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
     ):
         self.dtype, self.rank, self.world_size = dtype, rank, world_size
         self.vllm_config = _VllmConfig(
-            _ModelConfig(model),
+            _ModelConfig(model, max_model_len=max_model_len),
             _CompilationConfig(),
-            _SchedulerConfig(max_num_batched_tokens),
+            _SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             _ParallelConfig(world_size),
         )
 
@@ -126,6 +131,12 @@ class Worker:
             maybe_save_startup_plan(self, kv_bytes)
             return kv_bytes
         return self.cache_config.kv_cache_memory_bytes
+
+    def execute_model(self, scheduler_output: Any) -> None:
+        self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any) -> None:
+        self.model_runner.sample_tokens(grammar_output)
 
     def compile_or_warm_up_model(self) -> None:
         for size in self.vllm_config.compilation_config.cudagraph_capture_sizes:

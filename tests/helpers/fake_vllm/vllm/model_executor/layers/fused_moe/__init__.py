@@ -102,7 +102,10 @@ def cost(tokens: int, config: dict[str, Any]) -> float:
     return round(1 + sum(abs(math.log2(config[k] / v)) for k, v in best_for(tokens).items()), 6)
 
 
-def load(kernel: str) -> None:
+MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
+
+
+def load(kernel: str, module: str = MODULE) -> None:
     if kernel in LOADED:
         return
     LOADED.add(kernel)
@@ -124,7 +127,10 @@ def load(kernel: str) -> None:
         group.write_text(json.dumps({"child_paths": {}}))
     if knobs is not None and knobs.compilation.listener is not None:
         knobs.compilation.listener(
-            src=SimpleNamespace(name=kernel.partition("[")[0]),
+            src=SimpleNamespace(
+                name=kernel.partition("[")[0],
+                fn=SimpleNamespace(fn=SimpleNamespace(__module__=module)),
+            ),
             cache_hit=hit,
             metadata={"hash": digest},
             metadata_group={},
@@ -136,8 +142,10 @@ def load(kernel: str) -> None:
 class MoERunner:
     """One MoE layer, registered in the compilation config's forward context by its name."""
 
-    def __init__(self, layer_name: str, config: FusedMoEConfig) -> None:
+    def __init__(self, layer_name: str, config: FusedMoEConfig, shared_experts: int = 0) -> None:
         self.layer_name, self.moe_config = layer_name, config
+        self.shared_experts = shared_experts
+        self.shared_output: Any = None  # the model's forward takes it; from outside, it stays
         experts, hidden, n = config.num_experts, config.hidden_dim, config.intermediate_size
         self.routed_experts = SimpleNamespace(
             w13_weight=SimpleNamespace(shape=(experts, 2 * n, hidden)),
@@ -151,6 +159,8 @@ class MoERunner:
         assert router_logits.shape == (tokens, self.moe_config.num_experts)
         for kernel in kernels_for(tokens, self.moe_config):
             load(kernel)
+        if self.shared_experts:
+            self.shared_output = hidden_states
         if step_ms := float(os.environ.get("FAKE_VLLM_MOE_MS", "0")):
             time.sleep(step_ms * cost(tokens, chosen(tokens, self.moe_config)) / 1000)
         return hidden_states
