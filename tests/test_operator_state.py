@@ -359,6 +359,36 @@ def test_every_status_summarized_has_the_phase_of_its_conditions(
     assert (found["Degraded"]["status"] == "True") == (status["phase"] in ("Degraded", "Failed"))
 
 
+def test_coverage_gaps_a_build_named_are_a_condition_of_their_own() -> None:
+    """A generation whose warm still met kernels after ready is published and Ready; the
+    kernels it named travel from the Job's result into the arch's status and a
+    CoverageComplete condition that says which, per arch, until a build without them."""
+    result = {
+        "status": "published",
+        "generation": "g1",
+        "stamp": "s",
+        "files": 3,
+        "bytes": 9,
+        "seconds": 1.0,
+        "coverage_gaps": ["attention: mask_empty_context_kernel (a batch)"],
+    }
+    gapped = state.arch_status(arch="sm_90a", phase="Ready", **state.from_result(result))
+    assert gapped["coverageGaps"] == ["attention: mask_empty_context_kernel (a batch)"]
+    status = state.summarize([state.ArchPlan(gapped)], 1, {}, NOW)
+    found = conditions(status)
+    assert status["phase"] == "Ready" and found["Ready"]["status"] == "True"
+    assert found["CoverageComplete"]["status"] == "False"
+    assert found["CoverageComplete"]["reason"] == "CoverageGaps"
+    assert found["CoverageComplete"]["message"] == (
+        "still loaded after ready: sm_90a: attention: mask_empty_context_kernel (a batch)"
+    )
+    whole = state.arch_status(arch="sm_90a", phase="Ready", **state.from_result(
+        {**result, "coverage_gaps": []}))  # fmt: skip
+    assert "coverageGaps" not in whole
+    found = conditions(state.summarize([state.ArchPlan(whole)], 2, status, NOW))
+    assert found["CoverageComplete"]["status"] == "True"
+
+
 def test_a_new_image_building_says_which_pods_are_refused_and_serves_the_old() -> None:
     """While spec.engine.image moves from 0.1 to 0.2, the arch still publishes 0.1's
     generation: pods on 0.1 load it, pods on 0.2 are refused until 0.2's publishes. Status

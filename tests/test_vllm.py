@@ -13,9 +13,9 @@ engine: ``tests/test_vllm_gpu.py`` and ``bench/vllm_coldstart.py``.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -137,18 +137,26 @@ def built(tmp_path_factory) -> dict[str, Path]:
 def test_the_warm_reports_passes_until_a_fresh_engine_meets_no_jit(built):
     manifest = json.loads(built["manifest"].read_text())
     report = manifest["report"]["warmers"][0]
-    first, last = report["passes"][0], report["passes"][-1]
-    # The first pass enumerated the fused-MoE coverage before vLLM's monitor armed: its sweep
-    # met no kernel that coverage did not load (without it, the prefills' kernels JIT).
-    assert not first["serving"] and first["jit_events"] == []
+    first, enumerating, last = report["passes"]
+    # The cold pass: vLLM's own warm-up leaves the sweep's prefills and attention to the first
+    # requests (JIT events after ready).
+    assert not first["serving"] and first["jit_events"]
     assert first["cold_compiles"]["triton/fused_moe_kernel"] > 0
+    # Set up as serving, the next pass ran every batch shape at every token count through the
+    # engine's own steps before the monitor armed: its sweep met nothing; the last pass
+    # replayed that coverage, as serving does, and compiled nothing.
+    assert enumerating["serving"] and enumerating["jit_events"] == []
+    assert enumerating["coverage_seconds"] > 0
     assert last["serving"] and last["jit_events"] == [] and last["cold_compiles"] == {}
-    assert last["coverage_seconds"] is not None  # the later pass replayed it, as serving does
-    # Every kernel the layer can load for 1..512 tokens (the stand-in's table gives 9 token
-    # counts of their own, 2 kernels each), those vLLM's warm-up loads too: the enumeration
-    # runs before anything else loaded one.
-    assert report["coverage"]["fused_moe"].startswith("18 specializations from 9 token counts")
-    assert report["preload_sizes"] == []
+    assert last["coverage_seconds"] is not None
+    # Every kernel the MoE layer can load for 1..512 tokens (the stand-in's table gives 9
+    # token counts of their own, 2 kernels each), and both attention kernels, each recorded
+    # with the batch that loaded it first or as vLLM's warm-up's.
+    assert report["coverage"]["fused_moe"].startswith("18 kernels: ")
+    assert report["coverage"]["attention"].startswith("2 kernels: 2 first loaded by the ")
+    assert "gaps" not in report["coverage"]
+    # The cold pass's events' token counts run before the monitor arms from then on.
+    assert report["preload_sizes"] == sorted({e["tokens"] for e in first["jit_events"]})
     assert report["coverage"]["fused_moe tables"] == (
         "E=32,N=512,device_name=NVIDIA_H200.json: not tuned (vLLM ships "
         "E=32,N=512,device_name=NVIDIA_H200.json (mode auto))"
@@ -253,69 +261,83 @@ def test_served_from_the_generation_the_sweep_meets_no_jit_in_error_mode(built, 
 # ------------------------------------------------------------------------------ coverage
 
 
-def test_coverage_enumerates_every_token_count_the_engine_can_run(monkeypatch):
-    """In the engine's own objects (the stand-in's): every token count 1..bound through the
-    MoE layer; whatever count a batch has, its kernels are in the enumerated set, and the
-    set is the same on every build."""
+def _mla_model(tmp: Path) -> Path:
+    """The tiny model with DeepSeek's attention (MLA) and two shared experts."""
+    config = json.loads((MODEL / "config.json").read_text())
+    model = tmp / "mla-shared"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({**config, "kv_lora_rank": 512, "n_shared_experts": 2})
+    )
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mla-shared-experts"])
+def test_coverage_enumerates_every_batch_the_scheduler_can_form(monkeypatch, tmp_path, kind):
+    """In the engine's own objects (the stand-in's): every batch shape at every token count
+    through the worker's steps. Whatever batches the scheduler forms from any prompts (chunked
+    prefill, continued chunks beside new prompts, decodes), their kernels are in the
+    enumerated set; the set is the same on every build; no request is left in the engine,
+    and a model with shared experts serves after it (a layer called from outside would not)."""
     monkeypatch.syspath_prepend(str(FAKE_VLLM))
+    from vllm.entrypoints.cli.main import steps
     from vllm.model_executor.layers import fused_moe
     from vllm.v1.worker.gpu_worker import Worker
 
     from kernelcache.toolchains.vllm import coverage
 
-    def enumerated(bound: int) -> coverage.Coverage:
-        fused_moe.LOADED.clear()
-        worker = Worker(str(MODEL), Path("/nonexistent"), "bfloat16", max_num_batched_tokens=bound)
-        worker.load_model()
-        return coverage.enumerate_moe(worker.vllm_config)
+    model = MODEL if kind == "qwen3-moe" else _mla_model(tmp_path)
 
     from triton import knobs
 
+    def enumerated(bound: int) -> tuple[coverage.Coverage, Worker]:
+        fused_moe.LOADED.clear()  # a fresh process: nothing loaded yet
+        monkeypatch.setattr(knobs.compilation, "listener", None)
+        monkeypatch.setattr(coverage, "loads", coverage.Loads())
+        coverage.loads.install()
+        worker = Worker(str(model), Path("/nonexistent"), "bfloat16", max_num_batched_tokens=bound)
+        worker.load_model()
+        return coverage.enumerate_forwards(worker, worker.vllm_config), worker
+
     monkeypatch.setenv("TRITON_CACHE_DIR", str(Path(tempfile.mkdtemp())))
-    monkeypatch.setattr(knobs.compilation, "listener", None)
-    monkeypatch.setattr(coverage, "loads", coverage.Loads())
-    coverage.loads.install()
-    first, again = enumerated(300), enumerated(300)
-    assert first.families == {
-        **again.families,
-        "fused_moe": {
-            **again.families["fused_moe"],
-            "seconds": first.families["fused_moe"]["seconds"],
-        },
-    }
-    specs = first.specializations("fused_moe")
-    config = fused_moe.FusedMoEConfig(32, 4, 1024, 512, None)
-    met = {kernel for tokens in range(1, 301) for kernel in fused_moe.kernels_for(tokens, config)}
-    assert met == set(fused_moe.LOADED)
-    # Each kernel the layer can load is recorded once, at the first count that loads it.
-    digest = {hashlib.sha256(k.encode()).hexdigest()[:32]: k for k in met}
-    assert sorted(s.hash for s in specs) == sorted(digest)
-    for spec in specs:
-        assert digest[spec.hash] in fused_moe.kernels_for(spec.tokens, config)
+    (again, _), (first, worker) = enumerated(300), enumerated(300)
+    assert first.families == again.families and first.shapes == again.shapes
+    assert worker.model_runner.requests == {}  # every request it ran was finished
+    recorded = {s.kernel for s in first.specializations()}
+    loaded = set(fused_moe.LOADED)
+    rng = random.Random(7)
+    for _ in range(20):
+        prompts = [[1] * rng.randint(1, 700) for _ in range(rng.randint(1, 6))]
+        for step in steps(prompts, rng.randint(1, 4), 300):
+            worker.model_runner.execute_model(step)
+    assert set(fused_moe.LOADED) == loaded  # served batches met nothing new
+    assert {k.partition("[")[0] for k in loaded} <= recorded | {"fused_moe_kernel"}
+    if kind == "mla-shared-experts":
+        assert "mask_empty_context_kernel" in recorded
+        assert first.specializations("attention")
+    # Each kernel is recorded with the batch that loaded it first.
+    for spec in first.specializations():
+        assert spec.shape in coverage.SHAPES and 1 <= spec.tokens <= 300
     assert first.engine["max_num_batched_tokens"] == 300
-    assert set(first.summary()) == {"fused_moe", "sampler", "compiled graphs"}
+    assert first.representatives()
 
 
 def test_inspect_and_explain_show_coverage_per_family(built):
     proc = run_kernelcache("inspect", "--store", str(built["store"]))
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if " coverage: " in line]
-    assert lines[0].startswith(
-        f"{KEY} coverage: compiled graphs: not enumerated: vLLM's warm-up compiles"
-    )
-    # Which ones, from the engine's configuration.
-    assert lines[0].endswith("; this configuration's: CUDA-graph sizes 64,32,16,8,4,2,1")
-    assert f"{KEY} coverage: fused_moe: 18 specializations from 9 token counts; every " in (
-        "\n".join(lines)
-    )
+    said = "\n".join(lines)
+    assert f"{KEY} coverage: attention: 2 kernels: 2 first loaded by the enumerated " in said
+    assert f"{KEY} coverage: fused_moe: 18 kernels: " in said
+    assert f"{KEY} coverage: sampler: not enumerated: " in said
     from kernelcache.toolchains.vllm import coverage_diffs
 
     report = json.loads(built["manifest"].read_text())["report"]
     fewer = json.loads(json.dumps(report))
-    fewer["warmers"][0]["coverage"]["fused_moe"] = "2 specializations from 1 token counts"
+    fewer["warmers"][0]["coverage"]["fused_moe"] = "2 kernels: 2 first loaded by the enumerated"
     [diff] = coverage_diffs(report, fewer)
-    assert diff.startswith("fused_moe: 18 specializations") and diff.endswith(
-        "!= 2 specializations from 1 token counts"
+    assert diff.startswith("fused_moe: 18 kernels") and diff.endswith(
+        "!= 2 kernels: 2 first loaded by the enumerated"
     )
     assert coverage_diffs(report, report) == []
 
@@ -325,15 +347,15 @@ def test_a_start_whose_generation_lacks_a_specialization_fails_before_ready(buil
     assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
     files = next(pod.glob("*/files"))
     recorded = json.loads((files / "vllm-warmup" / "coverage.json").read_text())
-    spec = recorded["families"]["fused_moe"]["specializations"][-1]
+    spec = next(s for s in recorded["families"]["fused_moe"]["specializations"] if s["shape"])
     entry = base64.b32encode(bytes.fromhex(spec["hash"])).decode().rstrip("=")
     shutil.rmtree(files / "triton" / entry)
     serving = served_env(built, pod, KERNELCACHE_STRICT="1")
     rc, result, log = drive(tmp_path, "lacking", serving, runtime="serving")
     assert rc == 1 and result["ready_seconds"] is None, log
     assert (
-        f"vllm coverage: fused_moe: fused_moe_kernel for {spec['tokens']} tokens "
-        f"({spec['layer']}) had to be compiled: the generation lacks it"
+        f"vllm coverage: fused_moe: fused_moe_kernel for a {spec['shape']} batch of "
+        f"{spec['tokens']} tokens had to be compiled: the generation lacks it"
     ) in log
     # Not strict: the same line as a warning, and the engine serves (it compiled the kernel).
     shutil.rmtree(files / "triton" / entry)
@@ -684,3 +706,31 @@ def test_compile_job_and_serving_pod_mount_the_cache_root_writable():
     assert wanted in init["volumeMounts"] and wanted in serving["volumeMounts"]
     assert {"name": "VLLM_CACHE_ROOT", "value": "/var/cache/vllm"} in serving["env"]
     assert {"name": "kernelcache-vllm-0", "emptyDir": {}} in mutated["spec"]["volumes"]
+
+
+def test_what_the_warm_still_meets_after_ready_is_a_named_gap_not_a_lost_build(tmp_path):
+    """A kernel every request loads after ready (the stand-in's sampler) that no batch before
+    ready can load: the build publishes all the same, naming it in the generation, in
+    inspect and in the result the operator reads; strict serving with requireFullCoverage
+    refuses the generation before ready, in one line; without it, serves and says so."""
+    env = fake_env(FAKE_VLLM_SAMPLER_KERNEL="1")
+    built = build(tmp_path, vllm_doc(tmp_path / "vllm-root", requireFullCoverage=True), env)
+    report = json.loads(built["manifest"].read_text())["report"]["warmers"][0]
+    [gap] = report["coverage_gaps"]
+    assert gap.startswith("sampler: sampler_kernel[top_p=True] (outside a forward)"), gap
+    assert len(report["passes"]) == 3 and report["passes"][-1]["jit_events"]
+    proc = run_kernelcache("inspect", "--store", str(built["store"]))
+    assert f"{KEY} coverage: gaps: 1 kernel(s) still loaded after ready: {gap}" in proc.stdout
+    pod = tmp_path / "pod"
+    assert verify(built, pod, fake_env(VLLM_CACHE_ROOT=str(built["root"]))).returncode == 0
+    strict = served_env(built, pod, KERNELCACHE_STRICT="1", FAKE_VLLM_SAMPLER_KERNEL="1")
+    rc, result, log = drive(tmp_path, "strict", strict, runtime="serving")
+    assert rc == 1 and result["ready_seconds"] is None, log
+    assert (
+        "vllm coverage: the generation names 1 kernel(s) the warm still met after ready (e.g. "
+        f"{gap}) and the KernelCache demands full coverage"
+    ) in log
+    relaxed = served_env(built, pod, FAKE_VLLM_SAMPLER_KERNEL="1")
+    rc, result, log = drive(tmp_path, "relaxed", relaxed, runtime="serving")
+    assert rc == 0 and result["sweep_error"] is None, log
+    assert "the KernelCache demands full coverage; the engine compiles what is missing" in log

@@ -260,13 +260,22 @@ def test_a_warmer_env_cannot_point_vllm_at_other_tables(tmp_path):
 
 @pytest.fixture(scope="module")
 def tuned_build(tmp_path_factory):
-    """A build on a GPU product with no shipped table for the model's MoE shape."""
+    """A build on a GPU product with no shipped table for the model's MoE shape, of a model
+    with shared experts and MLA attention (DeepSeek's design): a MoE layer the tuning runs
+    from outside the model keeps its shared experts' output, which the next forward of the
+    model refuses, as vLLM's does."""
     tmp = tmp_path_factory.mktemp("tuned")
+    model = tmp / "deepseek-like"
+    model.mkdir()
+    config = json.loads((MODEL / "config.json").read_text())
+    (model / "config.json").write_text(
+        json.dumps({**config, "kv_lora_rank": 512, "n_shared_experts": 2})
+    )
     doc = vllm_doc(tmp / "vllm-root", maxNumBatchedTokens=64, promptLengths=[5, 40],
-                   moeTuning={"budgetSeconds": 120})  # fmt: skip
+                   moeTuning={"budgetSeconds": 120}, model=str(model))  # fmt: skip
     doc["spec"]["gpuClasses"][0]["gpuProduct"] = H100
     env = fake_env(FAKE_VLLM_GPU=H100, KERNELCACHE_GPU_PRODUCT=H100, FAKE_VLLM_MOE_MS="0.5")
-    return build(tmp, doc, env)
+    return {**build(tmp, doc, env), "model": model}
 
 
 def test_a_build_tunes_keeps_the_table_as_tuning_and_enumerates_with_it(
@@ -285,10 +294,17 @@ def test_a_build_tunes_keeps_the_table_as_tuning_and_enumerates_with_it(
     # Progress per bucket in the Job's log, as it went.
     assert "kernelcache: MoE tuning E=32,N=512 [1/9] 1 tokens: " in tuned_build["log"]
     assert "kernelcache: MoE tuning E=32,N=512 [9/9] 64 tokens: " in tuned_build["log"]
-    # The tuning pass left the enumeration to a fresh engine reading the table; the last
-    # pass, set up as serving, met nothing.
+    # The engine that tuned ended there (its shared experts held what the tuning left), and
+    # a fresh one compiled; the next, set up as serving, enumerated the coverage with the
+    # table; the last, set up as serving, met nothing.
     passes = report["passes"]
-    assert [p["serving"] for p in passes] == [False, False, True]
+    assert [(p["serving"], p["tuning_ended"]) for p in passes] == [
+        (False, True),
+        (False, False),
+        (True, False),
+        (True, False),
+    ]
+    assert "the engine that tuned the MoE tables ends here" in tuned_build["log"]
     assert passes[-1]["jit_events"] == [] and passes[-1]["cold_compiles"] == {}
     paths = {f["path"] for f in manifest["files"]}
     assert f"vllm-moe/{H100_TABLE}" in paths
@@ -307,6 +323,9 @@ def test_a_build_tunes_keeps_the_table_as_tuning_and_enumerates_with_it(
         return {hashlib.sha256(k.encode()).hexdigest()[:32] for k in met}
 
     recorded = {s["hash"] for s in coverage["families"]["fused_moe"]["specializations"]}
+    assert "mask_empty_context_kernel" in {
+        s["kernel"] for s in coverage["families"]["attention"]["specializations"]
+    }
     met = hashes(range(1, 65))
     assert recorded == met
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER")
@@ -324,7 +343,7 @@ def test_serving_reads_the_tuned_table_and_a_start_without_it_fails_before_ready
     assert proc.returncode == 0, proc.stderr
     serving = {**env, "KERNELCACHE_ENV_FILE": str(pod / "kernelcache.env"),
                "KERNELCACHE_STRICT": "1"}  # fmt: skip
-    engine = {"model": str(MODEL), "max_num_batched_tokens": 64}
+    engine = {"model": str(built["model"]), "max_num_batched_tokens": 64}
     plan = {"prompt_lengths": [5, 40], "batch_sizes": [1, 3], "max_tokens": 4}
     rc, served, log = drive(tmp_path, "served", serving, runtime="serving", engine=engine,
                             sweep=plan)  # fmt: skip

@@ -89,6 +89,9 @@ class ArchResult:
     # generation's stamp ({"factor", "current", "new"}; a value None: absent on that side).
     would_run: list[str] = field(default_factory=list)
     changed: list[dict[str, str | None]] = field(default_factory=list)
+    # Kernels the warm still met after ready, as its warmers named them (a few: this travels
+    # in a Job's termination message).
+    coverage_gaps: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)  # read back from the warm process's JSON
@@ -115,7 +118,20 @@ class ArchResult:
             seconds=round(seconds, 3),
             toolchains=toolchain_totals(warmers),
             slowest_kernels=[t.to_dict() for t in progress.slowest()] if warmers else [],
+            coverage_gaps=named_gaps(warmers),
         )
+
+
+GAPS_SHOWN = 3  # a termination message holds 4 KiB: the rest are in the generation
+
+
+def named_gaps(warmer_reports: list[dict[str, Any]]) -> list[str]:
+    """The coverage gaps the warmers named, the first few in full and a count of the rest."""
+    gaps = [str(g)[:160] for report in warmer_reports for g in report.get("coverage_gaps", [])]
+    if len(gaps) > GAPS_SHOWN:
+        more = len(gaps) - GAPS_SHOWN
+        gaps = [*gaps[:GAPS_SHOWN], f"and {more} more (kernelcache inspect names them)"]
+    return gaps
 
 
 def toolchain_totals(warmer_reports: list[dict[str, Any]]) -> list[dict[str, Any]]:

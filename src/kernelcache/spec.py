@@ -907,6 +907,12 @@ class ArchStatus(BaseModel):
         description="The generation as an OCI artifact, repo@sha256:... (pushed by the "
         "compile Job, or consumed from spec.source).",
     )
+    coverage_gaps: list[str] | None = Field(
+        default=None,
+        description="Kernels the warm still met after ready, named (family: kernel (the "
+        "batch)): the generation serves, and strict serving with requireFullCoverage "
+        "refuses it.",
+    )
     engine_image: str | None = Field(
         default=None,
         description="The engine image the generation was built for: pods on it load this "

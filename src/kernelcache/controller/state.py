@@ -54,6 +54,7 @@ _PUBLISHED = {
         "signed_by",
         "artifact",
         "engine_image",
+        "coverage_gaps",
     )
 }
 PUBLISHED_FIELDS = tuple(_PUBLISHED)
@@ -80,6 +81,7 @@ def from_result(result: dict[str, Any]) -> dict[str, Any]:
         "compile_seconds": result.get("seconds"),
         "signed_by": result.get("signed_by"),
         "artifact": result.get("artifact"),
+        "coverage_gaps": result.get("coverage_gaps") or None,
     }
 
 
@@ -500,6 +502,17 @@ def _refusal(arch: dict[str, Any], image: str | None) -> str:
     )
 
 
+def coverage_condition(arches: list[dict[str, Any]]) -> Check:
+    """CoverageComplete: whether every published generation covers what its warm met (the
+    kernels it still met after ready are named, per arch). It says, it does not decide:
+    serving accepts a generation with gaps unless the spec demands full coverage."""
+    gaps = [(a["arch"], a["coverageGaps"]) for a in arches if a.get("coverageGaps")]
+    if not gaps:
+        return ("CoverageComplete", True, "NoGaps", "every published generation covers its warm")
+    said = "; ".join(f"{arch}: {', '.join(named)}" for arch, named in gaps)
+    return ("CoverageComplete", False, "CoverageGaps", f"still loaded after ready: {said}")
+
+
 def summarize(
     plans: list[ArchPlan],
     generation: int | None,
@@ -559,6 +572,7 @@ def summarize(
             busy_text,
         ),
         ("Degraded", bool(problems), degraded, "; ".join(problems) or count),
+        coverage_condition(arches),
         *checks,
     ]
     conditions = _conditions(wanted, previous.get("conditions") or [], generation, now)

@@ -64,6 +64,7 @@ class VllmReport(WarmerReport):
     arch_list: str = ""
     startup_plans: list[str] = field(default_factory=list)  # under files/vllm/startup_plan
     coverage: dict[str, str] = field(default_factory=dict)  # family -> what was enumerated
+    coverage_gaps: list[str] = field(default_factory=list)  # met after ready all the same
     moe_tuning: dict[str, Any] | None = None  # what the fused-MoE tuning did (``tuning``)
 
 
@@ -197,6 +198,7 @@ class VllmWarmer(Warmer):
         if enumerated is not None:
             (files_dir / coverage.FILE).write_text(enumerated.to_json())
             report.coverage = enumerated.summary()
+            report.coverage_gaps = enumerated.gap_lines()
         if said := tuning.summary(report.moe_tuning):
             report.coverage[f"{coverage.MOE} tables"] = said
         report.cache_key_factors = cache_key_factors(target)

@@ -22,6 +22,8 @@ class GPUModelRunner:
                 block_size=16))]
         )  # fmt: skip
         self.requests: dict[str, int] = {}  # the input batch: each request's computed tokens
+        model = Path(vllm_config.model_config.model) / "config.json"
+        self.mla = model.is_file() and "kv_lora_rank" in json.loads(model.read_text())
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
         """One step: finished requests leave the batch, new ones join it (with the tokens
@@ -86,9 +88,8 @@ class GPUModelRunner:
         from vllm.model_executor.layers.fused_moe import kernels_for, load
 
         config = self.vllm_config.compilation_config
-        model = json.loads((Path(self.vllm_config.model_config.model) / "config.json").read_text())
         if seq_lens is not None:
-            for kernel in kernels_for_batch(queries, seq_lens, "kv_lora_rank" in model):
+            for kernel in kernels_for_batch(queries, seq_lens, self.mla):
                 load(kernel, MODULE)
         for name in config.static_all_moe_layers:
             layer = config.static_forward_context[name]
