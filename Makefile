@@ -48,7 +48,8 @@ demo: $(VENV)/.installed
 # before), the longest files first (tests/conftest.py names them), then the others with slow
 # tests.
 # Three tiers (README, "Set-up on a fresh machine"):
-#   test-quick  leaves out the `slow` tests (kill loops, real generations, the key matrix);
+#   test-quick  leaves out the `slow` tests (kill loops, real generations, the key matrix,
+#               and those tests/tiers.py measured as costly);
 #   test        everything but the `large` cases: what CI runs at every change;
 #   test-all    everything, the `large` cases too (the same checks at scale: the operator
 #               under 500 KernelCaches, 50 kills): CI's nightly run (.ci/nightly).
