@@ -26,6 +26,8 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.tiers import MEASURED_SLOW
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 SCHEMAS = REPO / "docs" / "cli-schemas"
@@ -61,10 +63,12 @@ LONGEST_FILES = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first (``LONGEST_FILES``), then the others holding slow tests: under
-    pytest-xdist (a file per worker, handed out in this order) the longest ones start at once
-    instead of running alone at the end. Within a file the order stays: some files' tests
-    build on the ones before them."""
+    """The tests ``tests/tiers.py`` measured as slow are marked so (``-m "not slow"`` leaves
+    them out), then the longest files first (``LONGEST_FILES``), then the others holding slow
+    tests: under pytest-xdist (a file per worker, handed out in this order) the longest ones
+    start at once instead of running alone at the end. Within a file the order stays: some
+    files' tests build on the ones before them."""
+    mark_measured_slow(items)
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
 
@@ -72,6 +76,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(item.path.name, len(rank) + (item.path not in slow))
 
     items.sort(key=order)
+
+
+def mark_measured_slow(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test ``MEASURED_SLOW`` names (tests/test_tiers.py checks that each
+    name is a test of its file)."""
+    for item in items:
+        if getattr(item, "originalname", item.name) in MEASURED_SLOW.get(item.path.name, ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def system_tool(name: str) -> str:

@@ -1,4 +1,8 @@
-"""The operator SIGKILLed mid-reconcile, 50 times: it converges without a duplicate Job.
+"""The operator SIGKILLed mid-reconcile: it converges without a duplicate Job.
+
+``make test`` kills it 14 times, once at each point a kill can land (each of a new
+KernelCache's 7 writes, before or after it is applied), in a seeded order; the 50 seeded
+kills of the scale case are marked ``large`` (``make test-all``, CI's nightly run).
 
 The real operator (``kernelcache operator``, a child process) runs against the emulated
 Kubernetes API server of ``k8s_emulator``; the test plays the Job controller and the kubelet,
@@ -107,27 +111,37 @@ def finish_some(kube: Kube, rng: random.Random, seed: int, share: float) -> int:
     return done
 
 
-KILLS = 50
+# A new KernelCache alone makes 7 such writes: finalizer, claim, ConfigMap, two Jobs, status,
+# kopf's progress annotation. A kill lands before one is served or after it is applied.
+KILL_POINTS = [(write, after) for write in range(1, 8) for after in (False, True)]
 MAX_ATTEMPTS = 3
 
 
-def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path: Path) -> None:
-    """50 SIGKILLs at seeded points of reconciling (a new KernelCache each round, Jobs ending
-    while the operator is down and while it runs); one more start then settles everything."""
+def kill_points(rng: random.Random, kills: int) -> list[tuple[int, bool]]:
+    """Where each round's kill lands: every point of ``KILL_POINTS`` once, in a seeded order,
+    then seeded points at random."""
+    points = rng.sample(KILL_POINTS, len(KILL_POINTS))
+    extra = [(rng.randint(1, 7), rng.random() < 0.5) for _ in range(kills - len(points))]
+    return [*points, *extra][:kills]
+
+
+@pytest.mark.parametrize("kills", [len(KILL_POINTS), pytest.param(50, marks=pytest.mark.large)])
+def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(
+    tmp_path: Path, kills: int
+) -> None:
+    """SIGKILLs at seeded points of reconciling (a new KernelCache each round, Jobs ending while
+    the operator is down and while it runs); one more start then settles everything."""
     rng = random.Random(SEED)
     settings = {**FAST, "MAX_ATTEMPTS": str(MAX_ATTEMPTS)}
     caches: dict[str, Expected] = {}
     with api_harness(tmp_path) as api:
         switch = KillSwitch(api)
         api.emulator.before, api.emulator.after = switch.before, switch.after
-        for round_ in range(KILLS):
+        for round_, (write, after_applying) in enumerate(kill_points(rng, kills)):
             body = kernelcache_doc(f"kc-{round_:02d}", NS, ARCHES)
             body = api.kube.request("POST", kernelcache_path(NS), body=body)  # with its uid
             caches[body["metadata"]["name"]] = expected(SEED, body, MAX_ATTEMPTS)
             finish_some(api.kube, rng, SEED, share=0.3)
-            # A new KernelCache alone makes 7 such writes: finalizer, claim, ConfigMap, two
-            # Jobs, status, kopf's progress annotation.
-            write, after_applying = rng.randint(1, 7), rng.random() < 0.5
             switch.arm(write, after_applying)
             # Each start outranks the dead replicas still listed in the peering object.
             operator = api.start_operator(**settings, PRIORITY=str(round_ + 1))
@@ -138,7 +152,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicate_jobs(tmp_path
                 f"(seed {SEED}): {operator.tail()}"
             )
 
-        operator = api.start_operator(**settings, PRIORITY=str(KILLS + 1))
+        operator = api.start_operator(**settings, PRIORITY=str(kills + 1))
         wait_until(
             lambda: (
                 finish_some(api.kube, rng, SEED, share=1.0) == 0

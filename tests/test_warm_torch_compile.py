@@ -231,14 +231,17 @@ def test_a_copy_of_a_max_autotune_generation_serves_without_compiling_or_tuning(
 @pytest.mark.slow
 def test_replays_stop_after_the_limit_and_say_serving_may_still_compile(tmp_path):
     """A model that meets another shape in every process never settles: the warm replays it
-    MAX_REPLAYS times, reports each replay's compiles and warns, instead of looping."""
+    MAX_REPLAYS times, reports each replay's compiles and warns, instead of looping. Its graph
+    is a view: each process still misses inductor's FX graph cache (a compile, as serving
+    counts it), but no C++ kernel is built (a gcc run of about 4 CPU-s in each of the four
+    processes, which this test is not about)."""
     (tmp_path / "restless_model.py").write_text(
         "import os\n"
         "import torch\n\n\n"
         "def warm(workload):\n"
         "    size = 8 + os.getpid() % 997  # another shape in every process\n"
-        "    torch.compile(lambda x: x * 2 + 1)(torch.ones(size))\n"
-        "    return [f'affine[{size}]']\n"
+        "    torch.compile(lambda x: x.view(-1)[1:])(torch.ones(size))\n"
+        "    return [f'slice[{size}]']\n"
     )
     spec = write_spec(tmp_path, {"entryPoints": ["restless_model:warm"]})
     proc = kernelcache("warm", "-f", str(spec), "--store", str(tmp_path / "s"), "--arch", "sm_90a")
