@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache import learned, progress
+from kernelcache import learned, measure, progress
 from kernelcache import stamp as stamps
 from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
@@ -281,7 +281,7 @@ def _arch_stamp(
     configs = kc.spec.warmers_for(arch)
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
-    product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
+    product = tuning_product(kc, arch, measure.detect_gpu_product(arch))
     stamp = stamps.collect(
         arch=arch,
         gpu_product=product,

@@ -83,7 +83,7 @@ def dsl_stack() -> dict[str, str]:
     in them): a rebuilt DSL is a new key."""
     from importlib.metadata import distributions
 
-    from kernelcache.stamp import distribution_factor, distribution_name
+    from kernelcache.measure import distribution_factor, distribution_name
 
     names = sorted(
         {

@@ -198,11 +198,11 @@ class Warmer(ABC):
         return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
 
     def measured_factors(self) -> list[str]:
-        """Names of ``stamp.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
+        """Names of ``measure.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
         return []
 
     def path_factors(self) -> dict[str, str]:
-        """Paths the toolchain bakes into its artifacts (``stamp.PATH_FACTORS``), as used."""
+        """Paths the toolchain bakes into its artifacts (``measure.PATH_FACTORS``), as used."""
         return {}
 
     def sm_counts(self, arch: str) -> list[int]:

@@ -83,7 +83,7 @@ def _check_dist(name: str, recorded: dict[str, Any]) -> str | None:
         st = os.stat(record)
         if [st.st_size, st.st_mtime_ns] == recorded["stat"]:
             return None  # its RECORD as it was: the same install
-    from kernelcache.stamp import distribution_factor
+    from kernelcache.measure import distribution_factor
 
     here = distribution_factor(name)
     if here == recorded["factor"]:

@@ -205,10 +205,10 @@ def dists_of(paths: Iterable[str]) -> dict[str, dict[str, Any]]:
 
 @cache
 def _info_factor(info: str) -> str:
-    """``stamp.distribution_factor`` of the distribution at ``info``."""
+    """``measure.distribution_factor`` of the distribution at ``info``."""
     from importlib.metadata import PathDistribution
 
-    from kernelcache.stamp import record_digest
+    from kernelcache.measure import record_digest
 
     version = ""
     with open(os.path.join(info, "METADATA"), encoding="utf-8") as metadata:
