@@ -47,7 +47,7 @@ from typing import Any
 import blake3
 
 from kernelcache import contract
-from kernelcache.errors import ColdCompileError
+from kernelcache.errors import ColdCompileError, KernelCacheError
 from kernelcache.runtime import cute_pipeline, observe
 
 log = logging.getLogger(__name__)
@@ -513,9 +513,12 @@ def _copied_as_recorded(files_dir: Path, names: list[str], root: Path) -> bool:
             target = root / name
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
-    except OSError:
+            try:
+                shutil.copyfile(source, tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)  # a staging directory keeps no half copy
+    except (OSError, KernelCacheError):  # a file gone or unreadable: compiled instead
         return False
     return True
 
