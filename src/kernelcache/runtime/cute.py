@@ -257,6 +257,7 @@ class CuteDiskCache:
                     _report("refused", name, None)
                     raise ColdCompileError(self._refusal(found))
 
+        replaced: _Replaced | None = None
         with _dsl_lock:  # the DSL traces through shared state: one call at a time
             start = time.perf_counter()
             try:
@@ -270,19 +271,19 @@ class CuteDiskCache:
                     raise raised from None
                 if not isinstance(raised, _Replaced):
                     raise
-                compiled = raised
-            if isinstance(compiled, _Replaced):
-                pass  # compiled below, outside the lock: the compile is the replaced one's
-            elif not traced:  # a path the hook does not reach (a device function, say)
+                replaced = raised
+            if replaced is None and not traced:
+                # a path the hook does not reach (a device function, say)
                 why = UncacheableError("the DSL compiled it without tracing through the hook")
                 return self._bypass(name, why, lambda: compiled)
-            else:
+            if replaced is None:
                 self._counted(name, time.perf_counter() - start)
                 with observe.unobserved_block():
                     self._persist(traced[-1], compiled)
                 self._memory[traced[-1].key] = compiled
                 return compiled
-        why = UncacheableError(f"its compile pipeline cannot be keyed: {compiled}")
+        # compiled as the replaced pipeline compiles it (strict: refused), never cached
+        why = UncacheableError(f"its compile pipeline cannot be keyed: {replaced}")
         return self._bypass(name, why, compile_it)
 
     def _bypass(self, name: str, why: Exception, compile_it: Callable[[], Any]) -> Any:
