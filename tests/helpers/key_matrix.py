@@ -121,7 +121,7 @@ CUTE_DSL_SWITCHES = {
 }
 # The disk-layer factors each CuTe-DSL switch moves besides ``settings``: the traced IR (debug
 # checks, line info, the PyIR front end, compiler options the DSL records in the module and
-# the extension compiler emit other ops) and the resolved compile options.
+# the extension compiler emit other ops) and the pipeline the compiler receives.
 # The settings the DSL applies only as compile options: keyed by the options they set, they
 # move ``options`` and not ``settings``.
 AS_OPTIONS_OF = {f"CUTE_DSL_{name.upper()}": {"settings"} for name in IN_OPTIONS}
@@ -132,7 +132,7 @@ CUTE_DSL_MOVES = {
     "CUTE_DSL_ENABLE_ASSERTIONS": {"options"},
     "CUTE_DSL_COMPILER_OPT": {"ir", "options"},
     "CUTE_DSL_ENABLE_TVM_FFI": {"options"},
-    "CUTE_DSL_USE_EXTENSION_COMPILER": {"ir"},
+    "CUTE_DSL_USE_EXTENSION_COMPILER": {"ir", "options"},  # another pass pipeline
 }
 OTHER_SWITCHES = {
     "TRITON_DISABLE_LINE_INFO": "1",
@@ -765,7 +765,7 @@ OTHER_MISSES = [
         "arch",
         gpus(B200, CUTE_DSL_ARCH="sm_100a"),
         {"arch", "gpu_product"},
-        {"arch", "settings", "ir"},
+        {"arch", "settings", "ir", "options"},  # the pipeline's cubin-chip
         measured=False,
     ),
     miss("gpu-product", gpus(H100), {"gpu_product"}, measured=False),
