@@ -26,6 +26,7 @@ rest of the compile as it will run:
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -164,7 +165,14 @@ def _dsl_own(function: Any) -> bool:
     if code is None:  # a C function: the DSL's when its module is
         module = getattr(target, "__module__", None) or ""
         return module.startswith(("cutlass", "_mlir", "builtins"))
-    return bool(code.co_filename.startswith(_dsl_roots()))
+    return _in_dsl(code.co_filename)
+
+
+@cache
+def _in_dsl(filename: str) -> bool:
+    """Whether a code file is the DSL's (under the folders its packages are in, links
+    resolved on both sides: an install reached through a link is the same install)."""
+    return os.path.realpath(filename).startswith(_dsl_roots())
 
 
 @cache
@@ -172,7 +180,7 @@ def _dsl_roots() -> tuple[str, ...]:
     """The folders the DSL's Python code is in (those its distributions install)."""
     import cutlass
 
-    return tuple(str(Path(p).resolve().parent) + "/" for p in cutlass.__path__)
+    return tuple(os.path.realpath(Path(p).parent) + os.sep for p in cutlass.__path__)
 
 
 def _where(function: Any) -> str:
