@@ -167,6 +167,57 @@ def test_a_build_is_up_to_date_only_when_strict_pods_would_load_every_kernel(tmp
     assert Store(store).current_manifest(key).generation == first.generation
 
 
+def test_a_build_compiles_only_the_kernels_whose_keys_moved(tmp_path):
+    """An edit that moves one of the two kernels: ``build --dry-run`` traces them as the build
+    does and says it would compile (not "up-to-date"), ``verify --check-env`` and ``explain
+    env`` say plainly that the stamp cannot judge them (never "a hit"); the build compiles
+    that one kernel and takes the other from the current generation. A setting that moves
+    the stamp but no kernel's key (``CUTE_DSL_COMPILER_OPT`` spelling out the default
+    opt-level) publishes a generation that compiled nothing."""
+    spec, store = write_spec(tmp_path), tmp_path / "store"
+    key, kernels = "default/demo/sm_90a", tmp_path / "demo_kernels.py"
+    path = f"{tmp_path}:{subprocess_env()['PYTHONPATH']}"
+
+    def build(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return kernelcache(
+            "build", "-f", str(spec), "--store", str(store), "--arch", "sm_90a", *args, **env
+        )
+
+    def compiled() -> int:
+        report = Store(store).current_manifest(key).report
+        return sum(w["compiled"] for w in report["warmers"])
+
+    assert build().returncode == 0 and compiled() == 2
+    original = kernels.read_text()
+    assert "    i = bidx * THREADS + tidx\n" in original
+    kernels.write_text(original.replace("i = bidx * THREADS + tidx", "i = tidx + bidx * THREADS"))
+
+    dry = build("--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    (planned,) = json.loads(dry.stdout)["results"]
+    assert planned["status"] == "would-compile", planned
+    assert "strict pods would refuse it" in planned["message"]
+    assert "demo_kernels:add" in planned["message"]
+    checked = kernelcache("verify", "--store", str(store), "--key", key, "--check-env",
+                          PYTHONPATH=path)  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
+    assert "keyed by their traced IR" in checked.stderr and "not known" in checked.stderr
+    explained = kernelcache("explain", "env", key, "--store", str(store), PYTHONPATH=path)
+    assert "a hit" not in explained.stdout and "no verdict" in explained.stdout
+    as_json = kernelcache("explain", "env", key, "--store", str(store), "--json", PYTHONPATH=path)
+    shown = json.loads(as_json.stdout)
+    assert shown["hit"] is None and "keyed by their traced IR" in shown["unchecked"][0]
+
+    rebuilt = build()
+    assert rebuilt.returncode == 0 and "published" in rebuilt.stdout, rebuilt.stderr
+    assert compiled() == 1  # the edited kernel; the other taken from the earlier generation
+    assert verify(Store(store).current(key)).ok
+
+    spelled = build(CUTE_DSL_COMPILER_OPT="opt-level=3")  # a setting: a new stamp
+    assert spelled.returncode == 0 and "published" in spelled.stdout, spelled.stderr
+    assert compiled() == 0
+
+
 def test_materialized_generation_serves_a_fresh_process_with_zero_compiles(tmp_path):
     spec, store = write_spec(tmp_path), tmp_path / "store"
     assert (

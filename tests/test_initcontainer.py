@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelcache import contract, node, stamp_policy
+from kernelcache import contract, measure, node, stamp_policy
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, NoGpuInfoError, SpecError
 from kernelcache.spec import SIGNING_KEY_FILE
@@ -356,7 +356,7 @@ CASES = {
         (
             *BY_KEY,
             "--expect-factor",
-            f"dist/blake3={stamps.distribution_factor('blake3').split()[0]} record={'f' * 64}",
+            f"dist/blake3={measure.distribution_factor('blake3').split()[0]} record={'f' * 64}",
         ),
         ExitCode.STAMP_MISMATCH,
         ("dist/blake3", "record=ffffffffffff"),
@@ -727,7 +727,7 @@ def no_gpus() -> list[tuple[str, str]]:
 
 
 def test_discovery_order_override_then_labels_then_nvidia_smi(monkeypatch) -> None:
-    monkeypatch.setattr(stamps, "_visible_gpus", lambda: [("NVIDIA H100 80GB HBM3", "sm_90a")])
+    monkeypatch.setattr(measure, "visible_gpus", lambda: [("NVIDIA H100 80GB HBM3", "sm_90a")])
     read: list[str] = []
 
     def labels(node: str) -> dict[str, str]:
@@ -761,7 +761,7 @@ def test_discovery_order_override_then_labels_then_nvidia_smi(monkeypatch) -> No
 
 
 def test_discovery_says_what_it_tried(monkeypatch) -> None:
-    monkeypatch.setattr(stamps, "_visible_gpus", no_gpus)
+    monkeypatch.setattr(measure, "visible_gpus", no_gpus)
 
     def unreachable(node: str) -> dict[str, str]:
         raise NoGpuInfoError(f"node {node}: labels not read: API answered 403 Forbidden")

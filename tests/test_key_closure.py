@@ -796,9 +796,9 @@ def test_a_library_lookup_by_ctypes_is_not_named_unobserved():
         "from kernelcache.runtime import observe\n"
         "observe.start()\n"
         "ctypes.util.find_library('c'); ctypes.util.find_library('kc-no-such-library')\n"
-        "found = sorted(observe._seen.unobserved)\n"
+        "found = sorted(observe.hooks.seen_so_far.unobserved)\n"
         "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
-        "print(json.dumps([found, sorted(observe._seen.unobserved)]))\n"
+        "print(json.dumps([found, sorted(observe.hooks.seen_so_far.unobserved)]))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,

@@ -16,6 +16,12 @@ is the truth:
 
 RELEVANT cases must change the direct compile (checked: the case set is honest) and be
 refused; IRRELEVANT ones must not change it and must load.
+
+Besides what reaches the trace, a case may change what the compiler receives after it: the
+compile options (a string ``options=``, the bracket form ``cute.compile[cute.OptLevel(1)]``,
+``CUTE_DSL_COMPILER_OPT``; spelled out as their defaults, the arch already targeted, options
+that only report or dump) and the pipeline itself (a module that wraps the DSL's
+``Compiler.compile``). A kernel may be warmed under options of its own (``BASES``).
 """
 
 from __future__ import annotations
@@ -231,6 +237,10 @@ from irapp import kernels, triggers
 
 
 def build(case):
+    import os
+
+    if os.environ.get("IR_TUNING"):
+        import irtuning  # noqa: F401 - it wraps the DSL's Compiler.compile
     trigger, _, path = case.partition(":")
     t = make_fake_compact_tensor(cutlass.Float32, (128,), assumed_align=16)
     if trigger == "literal_default":
@@ -260,6 +270,22 @@ def build(case):
     return kernels.by_arg, (t, t, value)
 '''
 PATCH = "from irapp import kernels\n\nkernels.Tiles.factor = 2.0\n"
+TUNING = '''\
+"""A tuning module: every compile of the DSL at opt-level 1, by wrapping its compiler."""
+
+from cutlass.base_dsl import compiler
+
+_compile = compiler.Compiler.compile
+
+
+def compile(self, module, pipeline, *args, **kwargs):
+    return _compile(self, module, pipeline.replace("opt-level=3", "opt-level=1"), *args, **kwargs)
+
+
+compiler.Compiler.compile = compile
+'''
+# Options a kernel is warmed under (its name: ``case+base``), besides the defaults.
+BASES = {"lineinfo": {"options": "--generate-line-info"}}
 WHEEL = 'import os\n\n\ndef scale():\n    return float(os.environ.get("IR_WHEEL_SCALE", "2"))\n'
 SITECUSTOMIZE = 'import os\n\nos.environ.setdefault("IR_SITE_SCALE", "2")\n'
 
@@ -275,11 +301,16 @@ class World:
     env: dict[str, str]
     kernels: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def fresh(self, case: str, *flags: str, **env: str) -> dict[str, Any]:
+    def fresh(self, request: dict[str, Any], *flags: str, **env: str) -> dict[str, Any]:
         """A fresh interpreter serving one request: a change made at start."""
+        serve = [*flags, str(WORKER), "serve", str(self.root)]
+        return self.python(*serve, stdin=json.dumps(request) + "\n", **env)
+
+    def python(self, *argv: str, stdin: str | None = None, **env: str) -> Any:
+        """What a fresh interpreter of the application printed last, as JSON."""
         proc = subprocess.run(
-            [sys.executable, *flags, str(WORKER), "serve", str(self.root)],
-            input=json.dumps({"case": case}) + "\n",
+            [sys.executable, *argv],
+            input=stdin,
             env={**self.env, **env},
             cwd=self.base,
             capture_output=True,
@@ -311,6 +342,7 @@ def _make_world(base: Path) -> World:
         app / "irapp" / "triggers.py": TRIGGERS,
         app / "irapp" / "constants.py": "FACTOR = 2.0\n",
         app / "irpatch.py": PATCH,
+        app / "irtuning.py": TUNING,
         site / "irwheel" / "__init__.py": WHEEL,
         site / "sitecustomize.py": SITECUSTOMIZE,
         config / "cat.txt": "2\n",
@@ -437,10 +469,24 @@ class Case:
     cwd: Callable[[World], Path] | None = None
     path: Callable[[World], Path] | None = None  # first on sys.path
     flags: tuple[str, ...] = ()  # a fresh interpreter with these flags, env set at start
+    options: str = ""  # the compile's options= string
+    bracket: str = ""  # the bracket form's options, as an expression: cute.OptLevel(1)
+    through: str = ""  # "patched": cute.compile as install() routes it
+    base: str = ""  # the options the kernel was warmed under (BASES)
+    refusal: str = "no kernel compiled from this IR"  # what a refusal says
 
     @property
     def fresh(self) -> bool:
         return bool(self.flags) or self.id.startswith("fresh:")
+
+    @property
+    def kernel(self) -> str:
+        """The warmed kernel this case is judged against."""
+        return f"{self.case}+{self.base}" if self.base else self.case
+
+    def request(self) -> dict[str, Any]:
+        return {"case": self.case, "options": self.options, "bracket": self.bracket,
+                "through": self.through}  # fmt: skip
 
 
 def _kernel(trigger: str, number: int) -> str:
@@ -495,6 +541,29 @@ RELEVANT = [
         lambda w: edited(w.app / "irpatch.py", "2.0", "3.0"),
     ),
     Case("fresh: /proc/self/environ", "proc_environ:closure", env={"IR_P_SCALE": "3"}),
+    # what the compiler receives after the trace
+    Case("options= at opt-level 1", "cat:closure", options="--opt-level 1"),
+    Case("the bracket form: OptLevel(1)", "cat:self", bracket="cute.OptLevel(1)"),
+    Case("the bracket form: GenerateLineInfo", "cat:class", bracket="cute.GenerateLineInfo"),
+    Case("the bracket form: PtxasOptions", "cat:global", bracket='cute.PtxasOptions("-O1")'),
+    Case(
+        "the bracket form through the installed cute.compile",
+        "cat:default",
+        bracket="cute.OptLevel(1)",
+        through="patched",
+    ),
+    Case(
+        "flatten-locs with line info",
+        "cat:closure",
+        base="lineinfo",
+        options="--generate-line-info --flatten-locs-output-json-path locs.json",
+    ),
+    Case(
+        "a module that wraps the DSL's Compiler.compile",
+        "cat:arg",
+        env={"IR_TUNING": "1"},
+        refusal="Compiler.compile is irtuning:compile",
+    ),
     Case("fresh: python -O", "optimized:self", flags=("-O",)),
     Case(
         "fresh: what sitecustomize set",
@@ -560,6 +629,18 @@ IRRELEVANT = [
     Case("fresh: PYTHONHASHSEED", "cat:closure", env={"PYTHONHASHSEED": "123"}),
     Case("fresh: a DSL setting that changes no code", "cat:self",
          env={"CUTE_DSL_LOG_LEVEL": "10"}),
+    # options spelled otherwise, that only report, or that the DSL repeats: one pipeline
+    Case("options= spelling out the default opt-level", "cat:closure", options="--opt-level 3"),
+    Case("options= naming the arch already targeted", "cat:self", options="--gpu-arch sm_90a"),
+    Case("fresh: CUTE_DSL_COMPILER_OPT spelling out the default", "cat:class",
+         env={"CUTE_DSL_COMPILER_OPT": "opt-level=3"}),
+    Case("fresh: diagnostics only (warnings{nvvm})", "cat:global",
+         env={"CUTE_DSL_COMPILER_OPT": "warnings{nvvm}"}),
+    Case("fresh: a raw compiler token the pipeline already has", "cat:default",
+         env={"CUTE_DSL_COMPILER_OPT": "check-inline-asm=false"}),
+    Case("fresh: PTX and cubin kept beside the compile", "cat:partial",
+         env={"CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_KEEP_CUBIN": "1", "CUTE_DSL_DUMP_DIR": "dump"}),
+    Case("the installed cute.compile without a bracket", "cat:arg", through="patched"),
 ]  # fmt: skip
 ALL = [*RELEVANT, *IRRELEVANT]
 
@@ -571,10 +652,10 @@ ALL = [*RELEVANT, *IRRELEVANT]
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """Every case's kernel compiled once into the generation, with its object's digest."""
     w = _make_world(tmp_path_factory.mktemp("irkey"))
-    cases = sorted({c.case for c in ALL})
+    kernels = {c.kernel: {"name": c.kernel, "case": c.case, **BASES.get(c.base, {})} for c in ALL}
     proc = subprocess.run(
         [sys.executable, str(WORKER), "warm", str(w.root)],
-        input=json.dumps(cases),
+        input=json.dumps(sorted(kernels.values(), key=lambda k: k["name"])),
         env=w.env,
         cwd=w.base,
         capture_output=True,
@@ -606,9 +687,9 @@ def ask(world: World) -> Iterator[Callable[[Case], dict[str, Any]]]:
     def answer(case: Case) -> dict[str, Any]:
         with case.change(world):
             if case.fresh:
-                return world.fresh(case.case, *case.flags, **case.env)
+                return world.fresh(case.request(), *case.flags, **case.env)
             request = {
-                "case": case.case,
+                **case.request(),
                 "env": case.env,
                 "cwd": str(case.cwd(world)) if case.cwd else None,
                 "path": str(case.path(world)) if case.path else None,
@@ -639,16 +720,16 @@ VERDICTS: dict[str, str] = {}
 @pytest.mark.parametrize("case", RELEVANT, ids=lambda c: c.id)
 def test_a_change_that_alters_the_kernel_is_refused(world, ask, case):
     answer = ask(case)
-    assert answer["direct"] != world.kernels[case.case]["oracle"], "the change alters nothing"
+    assert answer["direct"] != world.kernels[case.kernel]["oracle"], "the change alters nothing"
     VERDICTS[case.id] = verdict = judged(world, case, answer)
     assert verdict == "refused", (verdict, answer)
-    assert "no kernel compiled from this IR" in answer["message"]
+    assert case.refusal in answer["message"]
 
 
 @pytest.mark.parametrize("case", IRRELEVANT, ids=lambda c: c.id)
 def test_a_change_that_leaves_the_kernel_loads(world, ask, case):
     answer = ask(case)
-    assert answer["direct"] == world.kernels[case.case]["oracle"], "the change alters the kernel"
+    assert answer["direct"] == world.kernels[case.kernel]["oracle"], "the change alters the kernel"
     VERDICTS[case.id] = verdict = judged(world, case, answer)
     assert verdict == "hit", (verdict, answer)
 
@@ -679,13 +760,65 @@ def test_one_build_compiles_each_closure_and_self_apart(world):
         "got = [cache.compile(fn, t, t) for fn in fns]\n"
         "print(json.dumps([len({id(g) for g in got}), got[0] is got[4], cache.stats.misses]))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(world.base / "one-build")],
-        env=world.env,
-        cwd=world.base,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    assert world.python("-c", script, str(world.base / "one-build")) == [4, True, 4]
+
+
+def test_the_bracket_form_compiles_what_it_asks(world):
+    """``cute.compile[cute.OptLevel(1)]`` through the installed layer compiles the opt-level 1
+    object (the DSL's own bracket compile's), not the default one, keeps it under a key of its
+    own (not the default's), and a strict lookup asking the same loads it."""
+    script = (
+        "import json, os, sys\n"
+        "import blake3, cutlass, cutlass.cute as cute\n"
+        "from cutlass.cute.runtime import make_fake_compact_tensor\n"
+        "from kernelcache.runtime import cute as layer\n"
+        "from irapp import kernels\n"
+        "def oracle(c): return blake3.blake3(c.dump_to_object('kc_oracle')).hexdigest()\n"
+        "t = make_fake_compact_tensor(cutlass.Float32, (128,), assumed_align=16)\n"
+        "fn = kernels.make_mul(2.0)\n"
+        "os.environ[layer.CACHE_DIR_ENV] = sys.argv[1]\n"
+        "layer.install()\n"
+        "built = oracle(cute.compile[cute.OptLevel(1)](fn, t, t))\n"
+        "misses = layer.default_cache().stats.misses\n"
+        "wanted = oracle(layer._original_compile[cute.OptLevel(1)](fn, t, t))\n"
+        "default = oracle(layer._original_compile(fn, t, t))\n"
+        "strict = layer.CuteDiskCache(sys.argv[1], strict=True)\n"
+        "strict.compile_with(cute.OptLevel(1), fn, (t, t), {})\n"
+        "keys = [layer.trace_with(s, fn, (t, t), {}).key for s in (cute.OptLevel(1), None)]\n"
+        "kept = sorted(p.stem for p in layer.Path(sys.argv[1]).glob('*.o'))\n"
+        "print(json.dumps([built == wanted, built != default, misses, strict.stats.hits,\n"
+        "                  kept == keys[:1], keys[0] != keys[1]]))\n"
     )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, True, 4]
+    found = world.python("-c", script, str(world.base / "bracket"))
+    assert found == [True, True, 1, 1, True, True]
+
+
+def test_the_key_does_not_depend_on_what_compiled_before(world):
+    """With raw ``CUTE_DSL_COMPILER_OPT`` tokens (which the DSL appends to its shared options
+    on every call), kernels looked up strictly in any order, again and between direct
+    compiles, all load, under the keys they were built under, and the direct compiles (the
+    token n times by then) make the recorded objects."""
+    cases = ["cat:closure", "cat:self", "cat:closure", "c_getenv:arg", "cat:self"]
+    script = (
+        "import json, sys\n"
+        "import blake3, cutlass.cute as cute\n"
+        "from kernelcache.runtime import cute as layer\n"
+        "import irapp\n"
+        "def oracle(c): return blake3.blake3(c.dump_to_object('kc_oracle')).hexdigest()\n"
+        "cache = layer.CuteDiskCache(sys.argv[1], strict=True)\n"
+        "found = []\n"
+        "for case in json.loads(sys.argv[2]):\n"
+        "    fn, args = irapp.build(case)\n"
+        "    direct = oracle(cute.compile(fn, *args))\n"
+        "    cache._memory.clear()\n"
+        "    cache.compile(fn, *args)\n"
+        "    found.append([layer.trace(fn, *args).key, direct])\n"
+        "print(json.dumps([found, cache.stats.hits]))\n"
+    )
+    opt = "warnings{nvvm} check-inline-asm=false"
+    found, hits = world.python(
+        "-c", script, str(world.root), json.dumps(cases), CUTE_DSL_COMPILER_OPT=opt
+    )
+    recorded = [world.kernels[case] for case in cases]
+    assert [[k["key"], k["oracle"]] for k in recorded] == found
+    assert hits == len(cases)

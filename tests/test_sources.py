@@ -19,8 +19,8 @@ import yaml
 
 from kernelcache import stamp as stamps
 from kernelcache.errors import StampMismatchError, WarmError
+from kernelcache.measure import file_digest
 from kernelcache.sources import ABSENT, SourceError, module_sources
-from kernelcache.stamp import file_digest
 from kernelcache.store import Store
 from kernelcache.toolchains.base import entry_point_sources
 from tests.conftest import EXAMPLES, needs_cute, scaled, subprocess_env

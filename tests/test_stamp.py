@@ -15,9 +15,10 @@ from typing import Any
 import blake3
 import pytest
 
-from kernelcache import stamp
+from kernelcache import measure, stamp
 from kernelcache.errors import ExitCode, ManifestError, NoGpuInfoError, SpecError
-from kernelcache.stamp import FactorDiff, Stamp, collect, detect_arch, explain
+from kernelcache.measure import detect_arch
+from kernelcache.stamp import FactorDiff, Stamp, collect, explain
 
 ORIGINAL_PATH = os.environ.get("PATH", "")
 
@@ -495,7 +496,7 @@ def test_no_env_and_no_nvidia_smi_is_no_gpu_info() -> None:
     assert "nvidia-smi" in message
     assert "CUTE_DSL_ARCH" in message
     assert "\n" not in message
-    assert stamp.detect_gpu_product() is None
+    assert measure.detect_gpu_product() is None
     with pytest.raises(NoGpuInfoError):
         collect()
 
@@ -515,7 +516,7 @@ def test_no_env_and_no_nvidia_smi_is_no_gpu_info() -> None:
 def test_arch_from_visible_gpu(fake_smi: pytest.MonkeyPatch, row: str, arch: str) -> None:
     fake_smi.setenv("FAKE_SMI_OUT", f"{row}\n{row}\n")
     assert detect_arch() == arch
-    assert stamp.detect_gpu_product() == row.rpartition(",")[0]
+    assert measure.detect_gpu_product() == row.rpartition(",")[0]
 
 
 def test_collect_records_product_only_for_the_visible_arch(fake_smi: pytest.MonkeyPatch) -> None:
@@ -533,7 +534,7 @@ def test_collect_records_product_only_for_the_visible_arch(fake_smi: pytest.Monk
 def test_mixed_gpus(fake_smi: pytest.MonkeyPatch) -> None:
     fake_smi.setenv("FAKE_SMI_OUT", "NVIDIA H100 PCIe, 9.0\nNVIDIA H100 80GB HBM3, 9.0\n")
     assert detect_arch() == "sm_90a"
-    assert stamp.detect_gpu_product() == "NVIDIA H100 80GB HBM3+NVIDIA H100 PCIe"
+    assert measure.detect_gpu_product() == "NVIDIA H100 80GB HBM3+NVIDIA H100 PCIe"
 
     fake_smi.setenv("FAKE_SMI_OUT", "NVIDIA H100 PCIe, 9.0\nNVIDIA A100-PCIE-40GB, 8.0\n")
     with pytest.raises(NoGpuInfoError, match=r"different archs \(sm_80, sm_90a\)"):
@@ -557,12 +558,12 @@ def test_failing_nvidia_smi_is_no_gpu_info(
     with pytest.raises(NoGpuInfoError) as info:
         detect_arch()
     assert said in info.value.message
-    assert stamp.detect_gpu_product() is None
+    assert measure.detect_gpu_product() is None
 
 
 def test_hanging_nvidia_smi_times_out(fake_smi: pytest.MonkeyPatch) -> None:
     fake_smi.setenv("FAKE_SMI_SLEEP", "30")
-    fake_smi.setattr(stamp, "NVIDIA_SMI_TIMEOUT_S", 0.3)
+    fake_smi.setattr(measure, "NVIDIA_SMI_TIMEOUT_S", 0.3)
     with pytest.raises(NoGpuInfoError, match="did not answer"):
         detect_arch()
 
@@ -574,8 +575,8 @@ def test_file_digest(tmp_path: Path) -> None:
     data = bytes(range(256)) * 4099
     (tmp_path / "blob").write_bytes(data)
     (tmp_path / "empty").write_bytes(b"")
-    assert stamp.file_digest(tmp_path / "blob") == "blake3:" + blake3.blake3(data).hexdigest()
-    assert stamp.file_digest(str(tmp_path / "empty")) == "blake3:" + blake3.blake3().hexdigest()
+    assert measure.file_digest(tmp_path / "blob") == "blake3:" + blake3.blake3(data).hexdigest()
+    assert measure.file_digest(str(tmp_path / "empty")) == "blake3:" + blake3.blake3().hexdigest()
 
 
 def test_import_and_collect_load_no_torch_cuda_or_dsl(tmp_path: Path) -> None:
@@ -597,8 +598,8 @@ def test_import_and_collect_load_no_torch_cuda_or_dsl(tmp_path: Path) -> None:
 
 def test_sm_count_comes_from_the_environment_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KERNELCACHE_SM_COUNT", "188")
-    assert stamp.detect_sm_count() == 188
+    assert measure.detect_sm_count() == 188
     for bad in ("0", "-4", "many", "1.5"):
         monkeypatch.setenv("KERNELCACHE_SM_COUNT", bad)
         with pytest.raises(SpecError, match=f"KERNELCACHE_SM_COUNT='{re.escape(bad)}' is not"):
-            stamp.detect_sm_count()
+            measure.detect_sm_count()

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache import learned, progress
+from kernelcache import learned, measure, progress
 from kernelcache import stamp as stamps
 from kernelcache.arch import product_slug
 from kernelcache.contract import CacheKey, image_reference
@@ -245,14 +245,10 @@ def warm_arch(
         )
 
     def serves(generation: Path) -> bool:
-        """Whether strict pods would load every kernel of ``generation``: the stamp holds
-        what a build knows before it runs anything; a kernel keyed by its IR must be traced."""
-        for warmer in warmers:
-            refusal = warmer.would_refuse(generation / FILES_DIR, arch)
-            if refusal is not None:
-                progress.note(f"{key}: {generation.name} would be refused: {refusal}")
-                return False
-        return True
+        refusal = would_refuse(warmers, generation, arch)
+        if refusal is not None:
+            progress.note(f"{key}: {generation.name} would be refused: {refusal}")
+        return refusal is None
 
     keep = kc.spec.retention.generations
     with store.writer(key, on_wait=waiting) as writer:
@@ -278,6 +274,11 @@ def warm_arch(
         if kept is not None:
             return done(Status.RE_POINTED, kept)
         files_dir = writer.staging()
+        earlier = [store.current(key), *(path for path, _ in store.rollback_order(key))]
+        for warmer in warmers:  # kernels keyed one by one are taken over where still valid
+            warmer.earlier = tuple(
+                dict.fromkeys(p / FILES_DIR for p in earlier if p is not None and p.is_dir())
+            )
         positions = [kc.spec.warmers.index(c) for c in configs]
         report = run_warmers(warmers, files_dir, arch, positions)
         if product is None:
@@ -286,6 +287,17 @@ def warm_arch(
             files_dir, stamp.to_dict(), report, signing_key=signing_key, keep=keep
         )
     return done(Status.PUBLISHED, manifest)
+
+
+def would_refuse(warmers: Sequence[Any], generation: Path, arch: str) -> str | None:
+    """Why strict pods would refuse a kernel of ``generation``, whose stamp matches (None:
+    they would load every one): the stamp holds what a build knows before it runs anything;
+    a kernel keyed by its IR must be traced."""
+    for warmer in warmers:
+        refusal = warmer.would_refuse(generation / FILES_DIR, arch)
+        if refusal is not None:
+            return str(refusal)
+    return None
 
 
 def _arch_stamp(
@@ -297,7 +309,7 @@ def _arch_stamp(
     configs = kc.spec.warmers_for(arch)
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
-    product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
+    product = tuning_product(kc, arch, measure.detect_gpu_product(arch))
     stamp = stamps.collect(
         arch=arch,
         gpu_product=product,
@@ -331,14 +343,20 @@ def plan_arch(
     key = cache_key(kc, arch)
     current = store.current_manifest(key)
     result = ArchResult(arch=arch, status=Status.WOULD_COMPILE, stamp=stamp.digest)
+    refusal = None
     if current is not None and not force:
-        if current.stamp.get("digest") == stamp.digest:
-            result.status, result.generation = Status.UP_TO_DATE, current.generation
-            result.message = "the current generation has this stamp"
+        current_dir = store.current(key)
+        if current.stamp.get("digest") == stamp.digest and current_dir is not None:
+            # traced as the build traces them: no "up to date" that the build would rebuild
+            refusal = would_refuse(warmers, current_dir, arch)
+            if refusal is None:
+                result.status, result.generation = Status.UP_TO_DATE, current.generation
+                result.message = "the current generation has this stamp"
         else:
             kept = next(
-                (m for _, m in store.rollback_order(key)
-                 if m is not None and m.stamp.get("digest") == stamp.digest),
+                (m for path, m in store.rollback_order(key)
+                 if m is not None and m.stamp.get("digest") == stamp.digest
+                 and would_refuse(warmers, path, arch) is None),
                 None,
             )  # fmt: skip
             if kept is not None:
@@ -353,6 +371,11 @@ def plan_arch(
             result.message = "--force: compiled whatever the store holds"
         elif current is None:
             result.message = f"{key}: no generation published yet"
+        elif refusal is not None:
+            result.message = (
+                f"the current generation has this stamp, but strict pods would refuse it: "
+                f"{refusal}; only the kernels whose keys moved are compiled"
+            )
         else:
             diffs = stamps.explain(stamps.Stamp.from_dict(current.stamp), stamp)
             result.changed = [{"factor": d.name, "current": d.left, "new": d.right} for d in diffs]

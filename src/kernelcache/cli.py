@@ -397,15 +397,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if ref != "env"
         for m in [_manifest_of(ref, args.store)]
     }
+    untold: list[str] = []  # what the stamp cannot judge here: IR-keyed kernels, untraced
     if "env" in (args.left, args.right):  # recomputed against the factors the other recorded
         (recorded, _), *_ = generations.values()
         generations["env"] = (stamps.environment_stamp(recorded), stamps.ENVIRONMENT_SIDE)
+        untold = _unchecked(args.right if args.left == "env" else args.left, args.store)
     (left, left_side), (right, right_side) = generations[args.left], generations[args.right]
     diffs = stamps.explain(left, right)
     if args.json:
         output.print_json(
             {
-                "hit": not diffs,
+                "hit": False if diffs else (None if untold else True),
+                "unchecked": untold,
                 "left": left.digest,
                 "right": right.digest,
                 "differences": [
@@ -418,12 +421,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
         _explain_vllm(args.left, args.right, args.store)
     else:
         _explain_cute(args.right if args.left == "env" else args.left, args.store)
-    if not diffs:
+    if not diffs and untold:
+        print(f"same stamp {left.digest}, no verdict on the rest: {'; '.join(untold)}")
+    elif not diffs:
         print(f"same stamp {left.digest}: a hit")
     else:
         for diff in diffs:
             print(diff.describe((left_side, right_side)))
     return int(ExitCode.STAMP_MISMATCH) if diffs else 0
+
+
+def _unchecked(ref: str, store_root: Path | None) -> list[str]:
+    """What each toolchain says a stamp cannot judge of the generation ``ref``."""
+    from kernelcache.toolchains import toolchains
+
+    manifest = _manifest_of(ref, store_root)
+    return [note for t in toolchains() if (note := t.unchecked(manifest))]
 
 
 def _explain_cute(ref: str, store_root: Path | None) -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache import contract
+from kernelcache import contract, measure
 from kernelcache import stamp as stamps
 from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
 from kernelcache.toolchains import cache_env, toolchains
@@ -115,7 +115,7 @@ def diagnose(
 
 def _check_gpu(report: Report, arch: str | None, need_arch: bool, hint: str) -> str | None:
     try:
-        seen = stamps.detect_arch(arch, hint)
+        seen = measure.detect_arch(arch, hint)
     except NoGpuInfoError as exc:
         if need_arch:
             report.add("gpu", "fail", exc.message, ExitCode.NO_GPU_INFO)
@@ -124,7 +124,7 @@ def _check_gpu(report: Report, arch: str | None, need_arch: bool, hint: str) -> 
             detail = f"no arch seen here ({why}): none is needed to build for a spec's arches"
             report.add("gpu", "info", detail)
         return None
-    product = stamps.detect_gpu_product(seen)
+    product = measure.detect_gpu_product(seen)
     source = "given" if arch else ("CUTE_DSL_ARCH" if os.environ.get("CUTE_DSL_ARCH") else "GPU")
     report.add("gpu", "ok", f"arch {seen} ({source}), product {product or 'none seen'}")
     return seen
@@ -249,6 +249,11 @@ def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
             "cannot be a hit; every other factor matches"
         )
         report.add("stamp", "fail", detail, ExitCode.NO_GPU_INFO)
+        return
+    untold = [note for t in toolchains() if (note := t.unchecked(manifest))]
+    if not diffs and untold:  # kernels keyed by what they trace to: no stamp judges them
+        detail = f"generation {manifest.generation}: every factor matches; {'; '.join(untold)}"
+        report.add("stamp", "info", detail)
         return
     if not diffs:
         report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")

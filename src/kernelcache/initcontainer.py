@@ -273,6 +273,8 @@ def _verify_and_materialize(
         expect_factors=options.expect_factors,
         check_env=options.check_env,
     )
+    # what the stamp check passed but cannot judge (kernels keyed by what they trace to)
+    untold = [n for t in toolchains() if options.check_env and (n := t.unchecked(manifest))]
     dropped, warning = tuning_to_drop(manifest, node, options.policy)
     outcome = Outcome(
         key=key,
@@ -282,7 +284,7 @@ def _verify_and_materialize(
         bytes_checked=result.bytes_checked,
         verify_seconds=result.seconds,
         dropped=dropped,
-        warnings=[*found.notes, *([warning] if warning else [])],
+        warnings=[*found.notes, *untold, *([warning] if warning else [])],
         source=found.source,
         waited_seconds=found.waited_seconds,
     )

@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernelcache import contract, nodemap
-from kernelcache import stamp as stamps
+from kernelcache import contract, measure, nodemap
 from kernelcache.arch import from_compute_capability
 from kernelcache.errors import NoGpuInfoError
 from kernelcache.nodemap import MAJOR_LABEL, MINOR_LABEL, PRODUCT_LABEL
@@ -44,7 +43,7 @@ def arch_from_labels(labels: Mapping[str, str]) -> tuple[str | None, str | None]
     """(arch, product) from GPU feature discovery labels; None where a label is absent.
 
     ``nvidia.com/gpu.compute.major=9`` and ``minor=0`` give ``sm_90a``: from Hopper on the
-    arch-specific target (``a``) is the one kernels are built for, as ``stamp.detect_arch``
+    arch-specific target (``a``) is the one kernels are built for, as ``measure.detect_arch``
     names it from ``nvidia-smi``. The product label has GFD's spaces-to-dashes form
     (``NVIDIA-H100-80GB-HBM3``); a time-sliced GPU's ``-SHARED`` suffix is dropped.
     """
@@ -65,10 +64,10 @@ def arch_from_labels(labels: Mapping[str, str]) -> tuple[str | None, str | None]
 def _from_nvidia_smi() -> tuple[str, str | None]:
     """(arch, product) of the visible GPUs: the same reading the stamp's detection makes.
 
-    ``stamp.detect_arch`` would also honour ``CUTE_DSL_ARCH``, a build-time setting that a
+    ``measure.detect_arch`` would also honour ``CUTE_DSL_ARCH``, a build-time setting that a
     serving image may carry; here only the hardware counts, so the GPU list is read directly.
     """
-    gpus = stamps._visible_gpus()
+    gpus = measure.visible_gpus()
     archs = sorted({arch for _, arch in gpus})
     if len(archs) > 1:
         raise NoGpuInfoError(f"nvidia-smi: visible GPUs have different archs ({', '.join(archs)})")
@@ -100,7 +99,7 @@ def discover_node(
     take("arch", arch, "--arch")
     take("arch", settings.arch, contract.ARCH.name)
     if "arch" in found:
-        stamps.detect_arch(found["arch"][0])  # NoGpuInfoError naming a malformed override
+        measure.detect_arch(found["arch"][0])  # NoGpuInfoError naming a malformed override
     else:
         tried.append(f"no --arch or {contract.ARCH.name}")
     take("product", gpu_product, "--gpu-product")

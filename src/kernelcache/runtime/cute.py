@@ -33,13 +33,12 @@ import inspect
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -48,13 +47,14 @@ from typing import Any
 import blake3
 
 from kernelcache import contract
-from kernelcache.errors import ColdCompileError
-from kernelcache.runtime import observe
+from kernelcache.errors import ColdCompileError, KernelCacheError
+from kernelcache.runtime import cute_pipeline, observe
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = contract.CUTE_DSL_DIR.name
-KEY_FORMAT = "kernelcache.dev/cute-dsl/v4"  # v4: keyed by the traced IR
+SUBDIR = "cute-dsl"  # the layer's directory under a generation's files/
+KEY_FORMAT = "kernelcache.dev/cute-dsl/v5"  # v5: the pipeline as the compiler receives it
 OBSERVED_SUBDIR = "observed"  # what each compile read, by content address: explanations
 _SHOWN = 120  # characters of an IR line in a refusal
 
@@ -68,6 +68,7 @@ class CacheStats:
     """What this process's disk layer did; read by tests, benchmarks and the runtime metrics."""
 
     hits: int = 0
+    adopted: int = 0  # taken over from an earlier generation (a build), then loaded
     misses: int = 0
     persisted: int = 0
     bypassed: int = 0
@@ -83,7 +84,7 @@ def dsl_stack() -> dict[str, str]:
     in them): a rebuilt DSL is a new key."""
     from importlib.metadata import distributions
 
-    from kernelcache.stamp import distribution_factor, distribution_name
+    from kernelcache.measure import distribution_factor, distribution_name
 
     names = sorted(
         {
@@ -95,14 +96,6 @@ def dsl_stack() -> dict[str, str]:
     return {name: distribution_factor(name) for name in names}
 
 
-def _unpathed(value: str) -> str:
-    """Keep the tail of a path (``cu12/lib/libx.so``: the variant) and drop the install prefix.
-
-    Each path of a list (``a.so:b.so``, as ``CUTE_DSL_LIBS`` takes) keeps its own tail.
-    """
-    return re.sub(r"'?/[^;':]*/([^/;':]+/[^/;':]+/[^/;':]+)'?", r"\1", value)
-
-
 def normalized_ir(module: Any) -> str:
     """The traced module as text without locations: the DSL attaches the tracing frame's file,
     line and column to every op, and neither where the source lives nor its layout changes
@@ -110,28 +103,19 @@ def normalized_ir(module: Any) -> str:
     return module.operation.get_asm(enable_debug_info=False, assume_verified=True)
 
 
-# Options that only say what to keep, dump or disassemble beside the compile, never its code.
-_OUTPUT_OPTIONS = re.compile(r"^Keep|Dir$|Path$|Output$|^Nvdisasm")
-
-
-def compile_options(options: Any) -> str:
-    """Every compile option as the DSL resolved it (a ``--host-target`` too, which its own
-    pipeline string leaves out), less those that only place outputs; paths by their tail."""
-    return ";".join(
-        f"{kind.__name__}={_unpathed(repr(option.value))}"
-        for kind, option in options.options.items()
-        if not _OUTPUT_OPTIONS.search(kind.__name__)
-    )
-
-
-def key_factors(owner: Any, ir: str) -> dict[str, Any]:
-    """Every factor that decides the code ``owner`` (the DSL) compiles from traced ``ir``."""
+def key_factors(owner: Any, ir: str, pipeline: str | None = None) -> dict[str, Any]:
+    """Every factor that decides the code ``owner`` (the DSL) compiles from traced ``ir``:
+    the compile options as its compiler will receive them for this call (``pipeline``: one
+    the caller passed), the settings, the arch and the DSL's identity."""
     envar = owner.envar
     return {
         "format": KEY_FORMAT,
         "ir": blake3.blake3(ir.encode()).hexdigest(),
-        "options": compile_options(owner.compile_options),
-        "settings": _unpathed(envar.cache_key_str()),
+        "options": {
+            "pipeline": cute_pipeline.normalised(cute_pipeline.pipeline_of(owner, pipeline)),
+            "export": cute_pipeline.export_options(owner),
+        },
+        "settings": cute_pipeline.settings(envar),
         "arch": str(envar.arch),
         "dsl": dsl_stack(),
     }
@@ -184,11 +168,16 @@ class Traced:
         self.key = key_digest(self.factors)
 
     @classmethod
-    def of(cls, name: str, owner: Any, module: Any) -> Traced:
-        """The trace the DSL (``owner``) made of ``name`` as ``module``."""
+    def of(cls, name: str, owner: Any, module: Any, pipeline: str | None = None) -> Traced:
+        """The trace the DSL (``owner``) made of ``name`` as ``module`` (``pipeline``: one the
+        caller passed to the compile)."""
         ir = normalized_ir(module)
         tvm_ffi = bool(getattr(owner.compile_options, "enable_tvm_ffi", False))
-        return cls(name, key_factors(owner, ir), ir, tvm_ffi)
+        return cls(name, key_factors(owner, ir, pipeline), ir, tvm_ffi)
+
+
+class _Replaced(Exception):
+    """Carries out of the trace why the pipeline after it cannot be keyed."""
 
 
 class _Carried(Exception):
@@ -200,10 +189,11 @@ class _Carried(Exception):
 
 
 def _raised(exc: BaseException) -> BaseException | None:
-    """The ``_Carried`` or ``ColdCompileError`` the hook raised, under the DSL's wrapping."""
+    """The ``_Carried``, ``_Replaced`` or ``ColdCompileError`` the hook raised, under the
+    DSL's wrapping."""
     seen: BaseException | None = exc
     for _ in range(8):
-        if seen is None or isinstance(seen, (_Carried, ColdCompileError)):
+        if seen is None or isinstance(seen, (_Carried, _Replaced, ColdCompileError)):
             return seen
         seen = seen.__cause__ or getattr(seen, "cause", None)
     return None
@@ -212,9 +202,14 @@ def _raised(exc: BaseException) -> BaseException | None:
 class CuteDiskCache:
     """``compile(fn, *args, **kwargs)`` that loads from ``root`` on a hit and exports on a miss."""
 
-    def __init__(self, root: str | Path, *, strict: bool = False) -> None:
+    def __init__(
+        self, root: str | Path, *, strict: bool = False, earlier: Sequence[Path] = ()
+    ) -> None:
         self.root = Path(root)
         self.strict = strict
+        # Earlier generations' files/ directories (a build's): a kernel whose key has not
+        # moved is taken from there, each file checked against that generation's manifest.
+        self.earlier = tuple(earlier)
         self.stats = CacheStats()
         self._memory: dict[str, Any] = {}
         self._modules: list[Any] = []  # loaded modules stay referenced while their functions live
@@ -223,19 +218,32 @@ class CuteDiskCache:
         if self._writable:  # records explain a later miss; only a layer that persists keeps them
             observe.start()  # a no-op when install() or the warmer started it, earlier
 
-    def compile(self, fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Any:
+    def compile(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``cute.compile(fn, *args, **kwargs)`` through the cache."""
+        return self.compile_with(None, fn, args, kwargs)
+
+    def compile_with(self, selected: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """``cute.compile[selected](fn, *args, **kwargs)`` through the cache (``selected``:
+        the bracket form's options, such as ``cute.OptLevel(1)``; None for none)."""
         name = function_name(fn)
+
+        def compile_it() -> Any:
+            return _compile_with(fn, args, kwargs, selected)
+
         try:
             if not _supports_trace_hook():
                 raise UncacheableError("this nvidia-cutlass-dsl has no trace-finalize hook")
         except (ImportError, UncacheableError) as exc:
-            return self._bypass(name, exc, lambda: _compile_with(fn, args, kwargs, options))
+            return self._bypass(name, exc, compile_it)
         traced: list[Traced] = []
         start = 0.0
 
         def at_trace(owner: Any, module: Any, _: str) -> None:
             with observe.unobserved_block():  # keying and loading: the layer's reads
-                found = Traced.of(name, owner, module)
+                replaced = cute_pipeline.replaced_pipeline(owner)
+                if replaced is not None:
+                    raise _Replaced(replaced)
+                found = Traced.of(name, owner, module, kwargs.get("pipeline"))
                 traced.append(found)
                 with self._guard:
                     self.stats.trace_seconds += time.perf_counter() - start
@@ -249,26 +257,34 @@ class CuteDiskCache:
                     _report("refused", name, None)
                     raise ColdCompileError(self._refusal(found))
 
+        replaced: _Replaced | None = None
         with _dsl_lock:  # the DSL traces through shared state: one call at a time
             start = time.perf_counter()
             try:
                 hooked = {**kwargs, "trace_finalize_hooks": at_trace}
-                compiled = _compile_with(fn, args, hooked, options)
+                compiled = _compile_with(fn, args, hooked, selected)
             except Exception as exc:
                 raised = _raised(exc)
                 if isinstance(raised, _Carried):
                     return raised.value
                 if isinstance(raised, ColdCompileError):
                     raise raised from None
-                raise
-            if not traced:  # a path the hook does not reach (a device function, say)
+                if not isinstance(raised, _Replaced):
+                    raise
+                replaced = raised
+            if replaced is None and not traced:
+                # a path the hook does not reach (a device function, say)
                 why = UncacheableError("the DSL compiled it without tracing through the hook")
                 return self._bypass(name, why, lambda: compiled)
-            self._counted(name, time.perf_counter() - start)
-            with observe.unobserved_block():
-                self._persist(traced[-1], compiled)
-            self._memory[traced[-1].key] = compiled
-            return compiled
+            if replaced is None:
+                self._counted(name, time.perf_counter() - start)
+                with observe.unobserved_block():
+                    self._persist(traced[-1], compiled)
+                self._memory[traced[-1].key] = compiled
+                return compiled
+        # compiled as the replaced pipeline compiles it (strict: refused), never cached
+        why = UncacheableError(f"its compile pipeline cannot be keyed: {replaced}")
+        return self._bypass(name, why, compile_it)
 
     def _bypass(self, name: str, why: Exception, compile_it: Callable[[], Any]) -> Any:
         """A call that cannot be keyed: compiled, never cached (refused when strict)."""
@@ -289,6 +305,8 @@ class CuteDiskCache:
     def _load(self, traced: Traced) -> Any | None:
         obj_path, meta_path, _ = self._paths(traced.key)
         meta = _read_meta(meta_path)
+        if meta is None and self._adopt(traced):
+            meta = _read_meta(meta_path)
         if meta is None or meta.get("factors") != traced.factors or not obj_path.is_file():
             return None  # absent, half-written or tampered: a miss, never an error
         from cutlass.cute.runtime import load_module
@@ -303,6 +321,26 @@ class CuteDiskCache:
             self.stats.load_seconds += seconds
         _report("hit", traced.name, seconds)
         return compiled
+
+    def _adopt(self, traced: Traced) -> bool:
+        """Copy ``traced``'s kernel from the first earlier generation that has it under the
+        same factors, every file as that generation's manifest records it (the ``.json``
+        commit marker last); False when none has it whole."""
+        if not self._writable:
+            return False
+        for files_dir in self.earlier:
+            there = files_dir / SUBDIR
+            meta = _read_meta(there / f"{traced.key}.json")
+            if meta is None or meta.get("factors") != traced.factors:
+                continue
+            names = [f"{traced.key}.o", f"{traced.key}.mlir"]
+            if isinstance(meta.get("observed"), str):
+                names.append(f"{OBSERVED_SUBDIR}/{meta['observed']}.json")
+            if _copied_as_recorded(files_dir, [*names, f"{traced.key}.json"], self.root):
+                with self._guard:
+                    self.stats.adopted += 1
+                return True
+        return False
 
     def _counted(self, name: str, seconds: float) -> None:
         with self._guard:
@@ -394,20 +432,33 @@ class CuteDiskCache:
         return [str(self.root), *filter(None, [os.environ.get("CUTE_DSL_CACHE_DIR")])]
 
 
-def trace(fn: Any, *args: Any, options: Any = None, **kwargs: Any) -> Traced:
-    """What ``cute.compile(fn, *args, ...)`` is keyed by, traced and not compiled."""
+def trace(fn: Any, *args: Any, **kwargs: Any) -> Traced:
+    """What ``cute.compile(fn, *args, **kwargs)`` is keyed by, traced and not compiled."""
+    return trace_with(None, fn, args, kwargs)
+
+
+def trace_with(selected: Any, fn: Any, args: tuple, kwargs: dict) -> Traced:
+    """What ``cute.compile[selected](fn, *args, **kwargs)`` is keyed by, traced and not
+    compiled; ``UncacheableError`` when it cannot be keyed."""
     name = function_name(fn)
 
     def at_trace(owner: Any, module: Any, _: str) -> None:
-        raise _Carried(Traced.of(name, owner, module))
+        replaced = cute_pipeline.replaced_pipeline(owner)
+        if replaced is not None:
+            raise _Replaced(replaced)
+        raise _Carried(Traced.of(name, owner, module, kwargs.get("pipeline")))
 
     with _dsl_lock:
         try:
-            _compile_with(fn, args, {**kwargs, "trace_finalize_hooks": at_trace}, options)
+            _compile_with(fn, args, {**kwargs, "trace_finalize_hooks": at_trace}, selected)
         except Exception as exc:
             raised = _raised(exc)
             if isinstance(raised, _Carried):
                 return raised.value
+            if isinstance(raised, _Replaced):
+                raise UncacheableError(
+                    f"{name}: its compile pipeline cannot be keyed: {raised}"
+                ) from None
             raise
     raise UncacheableError(f"{name}: the DSL compiled it without tracing through the hook")
 
@@ -428,13 +479,49 @@ def moved_since(root: Path) -> dict[str, str]:
     return moved
 
 
-def _compile_with(fn: Any, args: tuple, kwargs: dict, options: Any) -> Any:
+def _compile_with(fn: Any, args: tuple, kwargs: dict, selected: Any) -> Any:
+    """The DSL's own ``cute.compile[selected](fn, *args, **kwargs)``, with options of this
+    call's own: the DSL's ``cute.compile`` keeps one options object for every call made
+    without a bracket and appends a raw ``CUTE_DSL_COMPILER_OPT`` token to it on each, so its
+    n-th compile carries the token n times. Through the cache each call compiles what the
+    first call of a fresh process would."""
     import cutlass.cute as cute
 
-    compile_fn = _original_compile or cute.compile
-    if options is not None:
-        kwargs = {**kwargs, "options": options}
+    compile_fn: Any = _original_compile or cute.compile
+    if hasattr(type(compile_fn), "__getitem__"):
+        compile_fn = compile_fn[() if selected is None else selected]
+    elif selected is not None:
+        raise UncacheableError(f"cute.compile is {compile_fn!r}: it takes no bracket options")
     return compile_fn(fn, *args, **kwargs)
+
+
+def _copied_as_recorded(files_dir: Path, names: list[str], root: Path) -> bool:
+    """Copy ``names`` from ``files_dir/cute-dsl`` into ``root`` (in order, each by rename),
+    each only when its bytes are the ones its generation's manifest lists."""
+    from kernelcache.store import digest_file
+    from kernelcache.store.manifest import load_manifest
+
+    try:
+        recorded = {e.path: e.digest for e in load_manifest(files_dir.parent).files}
+    except Exception:  # an unreadable earlier generation offers nothing
+        return False
+    sources = [files_dir / SUBDIR / name for name in names]
+    try:
+        pairs = list(zip(sources, names, strict=True))
+        if any(digest_file(p) != recorded.get(f"{SUBDIR}/{n}") for p, n in pairs):
+            return False
+        for source, name in pairs:
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                shutil.copyfile(source, tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)  # a staging directory keeps no half copy
+    except (OSError, KernelCacheError):  # a file gone or unreadable: compiled instead
+        return False
+    return True
 
 
 def _read_meta(path: Path) -> dict[str, Any] | None:
@@ -506,7 +593,9 @@ def compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class _PatchedCompile:
-    """Stands in for ``cute.compile``, including the ``cute.compile[options](...)`` form."""
+    """Stands in for ``cute.compile``, including the ``cute.compile[options](...)`` form: the
+    bracket's options are the DSL's own bracket options in the compile (a string
+    ``options=`` stays a keyword, as the DSL takes it)."""
 
     def __init__(self, options: Any = None) -> None:
         self._options = options
@@ -515,9 +604,7 @@ class _PatchedCompile:
         return _PatchedCompile(options)
 
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._options is not None:
-            kwargs.setdefault("options", self._options)
-        return default_cache().compile(fn, *args, **kwargs)
+        return default_cache().compile_with(self._options, fn, args, kwargs)
 
 
 def install() -> None:
@@ -545,12 +632,15 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def cache_dir(root: str | Path, *, strict: bool = False) -> Iterator[CuteDiskCache]:
-    """Point the process-wide cache at ``root`` for a block (the warmer's staging dir)."""
+def cache_dir(
+    root: str | Path, *, strict: bool = False, earlier: Sequence[Path] = ()
+) -> Iterator[CuteDiskCache]:
+    """Point the process-wide cache at ``root`` for a block (the warmer's staging dir;
+    ``earlier``: earlier generations' files/ directories it may take unmoved kernels from)."""
     global _default
     saved_env, saved_cache = os.environ.get(CACHE_DIR_ENV), _default
     os.environ[CACHE_DIR_ENV] = str(root)
-    _default = CuteDiskCache(root, strict=strict)
+    _default = CuteDiskCache(root, strict=strict, earlier=earlier)
     try:
         yield _default
     finally:

@@ -98,6 +98,11 @@ class Toolchain:
     def check_pod(self, manifest: Manifest, environ: Mapping[str, str]) -> None:
         """Refuse, in the init-container, a pod environment the generation cannot serve."""
 
+    def unchecked(self, manifest: Manifest) -> str | None:
+        """What of this toolchain's artifacts in ``manifest`` a stamp check cannot judge
+        (``verify --check-env``, ``explain … env``): a key only a traced kernel shows."""
+        return None
+
     def place(self, copy: Path, manifest: Manifest, dropped: Sequence[str]) -> dict[str, Any]:
         """In the init-container, after the generation was copied to ``copy`` (``dropped``
         left out): put what must live elsewhere in place, or refuse a copy this toolchain
@@ -188,6 +193,10 @@ class Warmer(ABC):
         # What serving compiled that an earlier generation lacked (``kernelcache.learned``):
         # a warmer that can reproduce a key warms it too.
         self.learned = list(learned)
+        # The files/ directories of earlier generations of the same key (the current one
+        # first): a warmer whose artifacts are each keyed in full may take the ones whose
+        # key has not moved from there instead of compiling them again.
+        self.earlier: tuple[Path, ...] = ()
 
     @property
     def label(self) -> str:
@@ -198,11 +207,11 @@ class Warmer(ABC):
         return entry_point_sources(self.type, self.config.entry_points, self.spec_dir)
 
     def measured_factors(self) -> list[str]:
-        """Names of ``stamp.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
+        """Names of ``measure.MEASURED_FACTORS`` the toolchain keys its artifacts on."""
         return []
 
     def path_factors(self) -> dict[str, str]:
-        """Paths the toolchain bakes into its artifacts (``stamp.PATH_FACTORS``), as used."""
+        """Paths the toolchain bakes into its artifacts (``measure.PATH_FACTORS``), as used."""
         return {}
 
     def sm_counts(self, arch: str) -> list[int]:

@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from kernelcache import progress
 from kernelcache.errors import ColdCompileError, WarmError
 from kernelcache.runtime import metrics
-from kernelcache.runtime.cute import CACHE_DIR_ENV, CuteDiskCache
+from kernelcache.runtime.cute import CACHE_DIR_ENV, SUBDIR, CuteDiskCache
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains.base import Serving, Toolchain, Warmer, WarmerReport, call_entry_points
 
+if TYPE_CHECKING:
+    from kernelcache.store import Manifest
+
 log = logging.getLogger(__name__)
 
-SUBDIR = "cute-dsl"  # kernelcache's disk layer for cute.compile
 JIT_SUBDIR = "cute-dsl-jit"  # the DSL's own file cache (jit-decorated calls)
 
 
@@ -49,7 +53,11 @@ class CuteDslWarmer(Warmer):
         def on_compile(name: str, seconds: float) -> None:
             progress.compiled(self.type, name, seconds)
 
-        with self._routed(files_dir, files_dir / SUBDIR, on_compile=on_compile) as cache:
+        # A kernel an earlier generation holds under the same key is taken from there: a
+        # build compiles only the kernels whose keys moved.
+        with self._routed(
+            files_dir, files_dir / SUBDIR, on_compile=on_compile, earlier=self.earlier
+        ) as cache:
             report.kernels = self._call(arch)
             if cache.stats.bypassed:
                 raise WarmError(
@@ -83,6 +91,7 @@ class CuteDslWarmer(Warmer):
         *,
         strict: bool = False,
         on_compile: Callable[[str, float], None] | None = None,
+        earlier: tuple[Path, ...] = (),
     ) -> Iterator[CuteDiskCache]:
         """``cute.compile`` through the disk layer at ``root`` for a block, observed (each
         kernel's record explains a later miss) from before any entry point is imported."""
@@ -101,7 +110,7 @@ class CuteDslWarmer(Warmer):
 
         cute_cache.on_event = on_event
         try:
-            with cute_cache.cache_dir(root, strict=strict) as cache:
+            with cute_cache.cache_dir(root, strict=strict, earlier=earlier) as cache:
                 yield cache
         finally:
             cute_cache.on_event = previous
@@ -111,6 +120,21 @@ class CuteDslWarmer(Warmer):
 class CuteDsl(Toolchain):
     def observe(self, serving: Serving) -> None:
         when_imported("cutlass.cute", _install)
+
+    def unchecked(self, manifest: Manifest) -> str | None:
+        """Kernels keyed by their traced IR: no stamp says whether they still load."""
+        kernels = sum(1 for e in manifest.files if _KERNEL_RECORD.fullmatch(e.path))
+        if not kernels:
+            return None
+        return (
+            f"{kernels} CuTe-DSL kernel(s) are keyed by their traced IR, which a stamp check "
+            "does not trace: whether they load here is not known (a serving process traces "
+            "each, and strict refuses one whose key moved; `kernelcache build --dry-run` "
+            "traces them as the build does)"
+        )
+
+
+_KERNEL_RECORD = re.compile(rf"{SUBDIR}/[0-9a-f]{{32}}\.json")
 
 
 def _install(_: ModuleType) -> None:
