@@ -44,7 +44,7 @@ from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
 
 from kernelcache.controller.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
 from kernelcache.controller.manifests import peering_crds  # noqa: E402
-from kernelcache.spec import crd_manifest  # noqa: E402
+from kernelcache.crd import crd_manifest  # noqa: E402
 
 ARCHES = ["sm_90a", "sm_100a", "sm_120a", "sm_89", "sm_80", "sm_103a"]
 NS = "bench"

@@ -1,0 +1,133 @@
+"""The status the operator writes: each arch's build, conditions, nodes' prefetched copies
+and what serving learned. Open to fields a newer operator adds."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from kernelcache.spec.common import ARCH, STATUS_CONFIG
+
+
+class ArchStatus(BaseModel):
+    """Progress and result of one arch's build."""
+
+    model_config = STATUS_CONFIG
+
+    arch: str = Field(  # as written by an operator that may know newer arches
+        pattern=ARCH, description="The SM arch."
+    )
+    phase: Literal["Pending", "Compiling", "Ready", "Failed"] = Field(
+        description="Pending: no Job yet; Compiling: its Job runs; Ready: published; Failed."
+    )
+    generation: str | None = Field(default=None, description="The generation published.")
+    stamp_digest: str | None = Field(
+        default=None, description="Digest of its stamp (`kernelcache explain` compares them)."
+    )
+    artifacts: int | None = Field(default=None, description="Files in the generation.")
+    bytes: int | None = Field(default=None, description="Bytes in the generation.")
+    compile_seconds: float | None = Field(default=None, description="Seconds the warm took.")
+    signed_by: str | None = Field(
+        default=None, description="Fingerprint of the key that signed the generation."
+    )
+    message: str | None = Field(default=None, description="Why it failed, in one line.")
+    artifact: str | None = Field(
+        default=None,
+        description="The generation as an OCI artifact, repo@sha256:... (pushed by the "
+        "compile Job, or consumed from spec.source).",
+    )
+    engine_image: str | None = Field(
+        default=None,
+        description="The engine image the generation was built for: pods on it load this "
+        "generation while a new spec.engine.image builds.",
+    )
+
+
+class Condition(BaseModel):
+    """A standard Kubernetes condition."""
+
+    model_config = STATUS_CONFIG
+
+    type: str = Field(description="What the condition is about, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether it holds.")
+    reason: str | None = Field(default=None, description="One CamelCase word saying why.")
+    message: str | None = Field(default=None, description="Why, for a person.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation the condition was computed from."
+    )
+
+
+class NodeStatus(BaseModel):
+    """One node's prefetched copy of one arch (node-local prefetch)."""
+
+    model_config = STATUS_CONFIG
+
+    node: str = Field(description="The node.")
+    arch: str = Field(pattern=ARCH, description="The SM arch of its GPU class.")
+    phase: Literal["Ready", "Pulling", "Failed"] = Field(
+        description="Ready: the current generation is on its disk; Pulling: being fetched; "
+        "Failed: the last fetch failed (it is retried)."
+    )
+    message: str | None = Field(default=None, description="Why it failed, in one line.")
+
+
+class LearnedKey(BaseModel):
+    """One specialization serving compiled that its generation lacked (``kernelcache.learned``)."""
+
+    model_config = STATUS_CONFIG
+
+    toolchain: str = Field(max_length=64, description="The toolchain that compiled it.")
+    kernel: str = Field(max_length=200, description="The kernel (function or module) name.")
+    key: str | None = Field(
+        default=None, max_length=200, description="Its specialization key (Triton's hash)."
+    )
+    tokens: int | None = Field(
+        default=None, ge=1, description="The token count of the vLLM forward it was met in."
+    )
+    count: int = Field(default=1, ge=1, description="Times it was met, summed over pods.")
+    first_seen: str | None = Field(default=None, description="When first met (RFC 3339).")
+
+
+class LearnedStatus(BaseModel):
+    """What serving pods compiled after they were ready: the next build warms it."""
+
+    model_config = STATUS_CONFIG
+
+    keys: list[LearnedKey] = Field(default_factory=list, description="Distinct keys, bounded.")
+    dropped: int = Field(default=0, ge=0, description="Keys left out past the bound.")
+    pods: list[str] = Field(default_factory=list, description="The pods last read from.")
+    updated_at: str | None = Field(default=None, description="When keys last changed.")
+
+
+class KernelCacheStatus(BaseModel):
+    """Observed state, written by the operator."""
+
+    model_config = STATUS_CONFIG
+
+    phase: Literal["Pending", "Compiling", "Ready", "Failed", "Degraded"] | None = Field(
+        default=None,
+        description="Ready: every arch published; Degraded: some; Failed: a spec or Job error.",
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this status describes."
+    )
+    ready_arches: str | None = Field(default=None, description="Ready arches out of all, e.g. 2/3.")
+    serving_arches: str | None = Field(
+        default=None,
+        description="Arches whose store names a generation pods load now, out of all, e.g. 2/3.",
+    )
+    arches: list[ArchStatus] = Field(default_factory=list, description="One entry per arch.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Standard conditions (Ready)."
+    )
+    nodes: list[NodeStatus] = Field(
+        default_factory=list,
+        description="With node-local prefetch: each GPU node's copy of its arch's generation.",
+    )
+    learned: LearnedStatus | None = Field(
+        default=None, description="Specializations serving compiled: the next build warms them."
+    )
