@@ -526,3 +526,13 @@ def test_the_model_is_not_mounted_where_vllm_writes_its_cache():
     doc["spec"]["modelVolume"]["mountPath"] = "/var/cache/vllm"
     with pytest.raises(SpecError, match=r"modelVolume\.mountPath: is a vllm warmer's cacheRoot"):
         parse_kernelcache(doc, "kc.yaml")
+
+
+def test_a_misspelled_workload_field_is_matched_against_the_workload():
+    doc = yaml.safe_load((ROOT / "examples" / "vllm-qwen3-moe.yaml").read_text())
+    workload = next(w for w in doc["spec"]["warmers"] if w["type"] == "vllm")["workload"]
+    workload["maxModelLength"] = workload.pop("maxModelLen")
+    with pytest.raises(
+        SpecError, match=r"maxModelLength: unknown field \(did you mean maxModelLen"
+    ):
+        parse_kernelcache(doc, "kc.yaml")

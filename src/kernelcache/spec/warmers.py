@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from kernelcache.spec.cluster import GpuClass
 from kernelcache.spec.common import SPEC_CONFIG, EntryPoint, rule_error
-from kernelcache.spec.describe import describe
+from kernelcache.spec.describe import describe, first_error
 from kernelcache.spec.workloads import B12xWorkload, VllmWorkload
 
 # The warmer types of the API, one per value of ``spec.warmers[].type`` (the CRD enumerates
@@ -97,5 +97,5 @@ class Warmer(BaseModel):
         try:
             return model.model_validate(self.workload)
         except ValidationError as exc:
-            path, what = describe(exc.errors()[0], model)
+            path, what = describe(first_error(exc.errors()), model)
             raise rule_error(f"workload.{path}" if path else "workload", what) from None
