@@ -11,6 +11,7 @@ import pytest
 
 from kernelcache import learned
 from kernelcache.controller.learning import configmap_data, endpoints, events, merged, read
+from kernelcache.controller.peer import PeerError
 from kernelcache.errors import SpecError
 from kernelcache.runtime import learning, metrics
 from kernelcache.spec import LearnedKey
@@ -61,16 +62,16 @@ def test_merge_takes_the_larger_count_and_the_earliest_time_and_stays_bounded():
     kept = [key("moe", 17, count=3, first_seen="2026-12-01T00:00:00Z")]
     pod_a = [key("moe", 17, count=2, first_seen="2026-12-02T00:00:00Z"), key("moe", 33)]
     pod_b = [key("moe", 17, count=2), key("sampler")]
-    merged, dropped = learned.merge(kept, [pod_a, pod_b])
+    merged, dropped = learned.merge(kept, {"pod-a": pod_a, "pod-b": pod_b})
     assert dropped == 0
     assert [(k.kernel, k.tokens, k.count) for k in merged] == [
         ("moe", 17, 4), ("moe", 33, 1), ("sampler", None, 1),
     ]  # fmt: skip
     assert merged[0].first_seen == "2026-12-01T00:00:00Z"
-    again, _ = learned.merge(merged, [pod_a, pod_b])
+    again, _ = learned.merge(merged, {"pod-a": pod_a, "pod-b": pod_b})
     assert again == merged  # the same pods read again: nothing counted twice
     assert learned.sizes(merged) == [17, 33]
-    many = [[key("moe", n, count=n) for n in range(1, 11)]]
+    many = {"pod-a": [key("moe", n, count=n) for n in range(1, 11)]}
     small, dropped = learned.merge([], many, limit=3)
     assert [k.tokens for k in small] == [8, 9, 10] and dropped == 7
 
@@ -117,17 +118,17 @@ def test_only_ready_pods_with_a_metrics_port_are_asked():
 def test_a_silent_or_wrong_pod_is_one_line_and_the_others_are_read():
     record = json.dumps(learned.document([key("moe", 17)], 2)).encode()
 
-    def fetch(url: str, timeout: float) -> bytes:
-        assert timeout == 0.5
+    def fetch(url: str, budget: float) -> bytes:
+        assert 0 < budget <= 0.5  # what is left of the one deadline of the whole read
         if "silent" in url:
-            raise TimeoutError("timed out")
+            raise PeerError("no complete answer within 0.5 s (0 bytes received)")
         return b"<html>" if "wrong" in url else record
 
     urls = {name: f"http://{name}/x" for name in ("good", "silent", "wrong")}
     records, dropped, problems = read(urls, 0.5, fetch)
     assert list(records) == ["good"] and records["good"][0].tokens == 17 and dropped == 2
     assert problems == [
-        "pod silent http://silent/x: timed out",
+        "pod silent http://silent/x: no complete answer within 0.5 s (0 bytes received)",
         "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0))",
     ]
 
@@ -140,8 +141,8 @@ def test_status_and_event_say_what_was_learned_and_only_once():
     first = merged(None, {"pod-a": [key("moe", 17), key("moe", 33)]}, 0, NOW)
     assert first == {
         "keys": [
-            {"toolchain": "vllm", "kernel": "moe", "tokens": 17, "count": 1},
-            {"toolchain": "vllm", "kernel": "moe", "tokens": 33, "count": 1},
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 17, "count": 1, "pods": ["pod-a"]},
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 33, "count": 1, "pods": ["pod-a"]},
         ],
         "dropped": 0,
         "pods": ["pod-a"],

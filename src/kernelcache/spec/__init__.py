@@ -41,6 +41,12 @@ from kernelcache.spec.distribution import Distribution, OciSource, OciTarget, So
 from kernelcache.spec.loader import MAX_SPEC_BYTES, load_kernelcache, parse_kernelcache
 from kernelcache.spec.resource import KernelCache, KernelCacheSpec, ObjectMeta
 from kernelcache.spec.status import (
+    INT64_MAX,
+    KEY_PODS_MAX,
+    LEARNED_KEYS_MAX,
+    LEARNED_PODS_MAX,
+    TIMESTAMP,
+    TOKENS_MAX,
     ArchStatus,
     Condition,
     KernelCacheStatus,
@@ -59,7 +65,12 @@ from kernelcache.spec.storage import (
 )
 from kernelcache.spec.verification import PUBLIC_KEY_FILE, SIGNING_KEY_FILE, Signing, Verification
 from kernelcache.spec.warmers import WARMER_TYPES, Warmer, WarmerType
-from kernelcache.spec.workloads import B12xWorkload, MoeTuning, VllmWorkload
+from kernelcache.spec.workloads import (
+    VLLM_DEFAULT_TOKEN_BUDGET,
+    B12xWorkload,
+    MoeTuning,
+    VllmWorkload,
+)
 
 __all__ = [
     "ABSOLUTE_PATH",
@@ -70,7 +81,11 @@ __all__ = [
     "DNS1123_SUBDOMAIN",
     "ENTRY_POINT",
     "GROUP",
+    "INT64_MAX",
+    "KEY_PODS_MAX",
     "KIND",
+    "LEARNED_KEYS_MAX",
+    "LEARNED_PODS_MAX",
     "MAX_SPEC_BYTES",
     "NAME_MAX",
     "OCI_DIGEST_REF",
@@ -80,7 +95,10 @@ __all__ = [
     "PUBLIC_KEY_FILE",
     "QUANTITY",
     "SIGNING_KEY_FILE",
+    "TIMESTAMP",
+    "TOKENS_MAX",
     "VERSION",
+    "VLLM_DEFAULT_TOKEN_BUDGET",
     "WARMER_TYPES",
     "Arch",
     "ArchStatus",

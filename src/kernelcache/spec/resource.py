@@ -173,6 +173,12 @@ class KernelCacheSpec(BaseModel):
         """The distinct arches to build, sorted; one warm Job and generation per arch."""
         return sorted({c.arch for c in self.gpu_classes})
 
+    def max_forward_tokens(self) -> int | None:
+        """The most tokens a forward of this KernelCache's engines runs (None: no vllm
+        warmer says): what a serving pod may report as a learned key's token count."""
+        bounds = [w.vllm_workload().max_forward_tokens() for w in self.warmers if w.type == "vllm"]
+        return max(bounds) if bounds else None
+
     def vllm_cache_roots(self) -> list[str]:
         """The vllm warmers' cache roots: writable in the compile Job and the serving pod."""
         return sorted({w.vllm_workload().cache_root for w in self.warmers if w.type == "vllm"})

@@ -3,11 +3,11 @@ and what serving learned. Open to fields a newer operator adds."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from kernelcache.spec.common import ARCH, STATUS_CONFIG
+from kernelcache.spec.common import ARCH, DNS1123_SUBDOMAIN, PATTERN_HINTS, STATUS_CONFIG
 
 
 class ArchStatus(BaseModel):
@@ -75,6 +75,25 @@ class NodeStatus(BaseModel):
     message: str | None = Field(default=None, description="Why it failed, in one line.")
 
 
+# What a serving pod reports is untrusted: every number and string of it is bounded here, so
+# the API server refuses what the operator would never write (and the operator's own parse,
+# ``kernelcache.learned``, refuses it first, naming the field).
+INT64_MAX = 2**63 - 1
+# No engine runs a forward of more tokens than an int32 indexes; a KernelCache's vllm warmers
+# bound them further (``VllmWorkload.max_forward_tokens``).
+TOKENS_MAX = 2**31 - 1
+# Distinct keys a status holds (``learned.LIMIT``; a test ties the two), and the pods each key
+# is attributed to.
+LEARNED_KEYS_MAX = 256
+KEY_PODS_MAX = 8
+LEARNED_PODS_MAX = 512
+# An RFC 3339 time as the operator and the runtime write it (seconds, UTC, "Z"), nothing else:
+# a free-text time let one pod grow a status by megabytes.
+TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$"
+PATTERN_HINTS[TIMESTAMP] = "a UTC time such as 2026-12-01T08:00:00Z"
+PodName = Annotated[str, Field(max_length=253, pattern=DNS1123_SUBDOMAIN)]
+
+
 class LearnedKey(BaseModel):
     """One specialization serving compiled that its generation lacked (``kernelcache.learned``)."""
 
@@ -86,10 +105,31 @@ class LearnedKey(BaseModel):
         default=None, max_length=200, description="Its specialization key (Triton's hash)."
     )
     tokens: int | None = Field(
-        default=None, ge=1, description="The token count of the vLLM forward it was met in."
+        default=None,
+        ge=1,
+        le=TOKENS_MAX,
+        description="The token count of the vLLM forward it was met in (at most the engine's "
+        "maxNumBatchedTokens).",
     )
-    count: int = Field(default=1, ge=1, description="Times it was met, summed over pods.")
-    first_seen: str | None = Field(default=None, description="When first met (RFC 3339).")
+    count: int = Field(
+        default=1, ge=1, le=INT64_MAX, description="Times it was met, summed over pods."
+    )
+    first_seen: str | None = Field(
+        default=None, max_length=20, pattern=TIMESTAMP, description="When first met (UTC)."
+    )
+    pods: list[PodName] = Field(
+        default_factory=list,
+        max_length=KEY_PODS_MAX,
+        description="The pods that reported it (set by the operator): a key ages out once "
+        "none of them exists.",
+    )
+    gone_since: str | None = Field(
+        default=None,
+        max_length=20,
+        pattern=TIMESTAMP,
+        description="When the last of its pods went (set by the operator): it ages out "
+        "learnForgetSeconds later unless a pod reports it again.",
+    )
 
 
 class LearnedStatus(BaseModel):
@@ -97,10 +137,18 @@ class LearnedStatus(BaseModel):
 
     model_config = STATUS_CONFIG
 
-    keys: list[LearnedKey] = Field(default_factory=list, description="Distinct keys, bounded.")
-    dropped: int = Field(default=0, ge=0, description="Keys left out past the bound.")
-    pods: list[str] = Field(default_factory=list, description="The pods last read from.")
-    updated_at: str | None = Field(default=None, description="When keys last changed.")
+    keys: list[LearnedKey] = Field(
+        default_factory=list,
+        max_length=LEARNED_KEYS_MAX,
+        description="Distinct keys, bounded, each pod a fair share.",
+    )
+    dropped: int = Field(default=0, ge=0, le=INT64_MAX, description="Keys left out past the bound.")
+    pods: list[PodName] = Field(
+        default_factory=list, max_length=LEARNED_PODS_MAX, description="The pods last read from."
+    )
+    updated_at: str | None = Field(
+        default=None, max_length=20, pattern=TIMESTAMP, description="When keys last changed."
+    )
 
 
 class KernelCacheStatus(BaseModel):

@@ -59,6 +59,9 @@ class B12xWorkload(BaseModel):
         return self.intermediate_size // self.tensor_parallel
 
 
+VLLM_DEFAULT_TOKEN_BUDGET = 16384
+
+
 class MoeTuning(BaseModel):
     """Tuning vLLM's fused-MoE Triton configs on the compile Job's GPU (``toolchains.vllm.
     tuning``): what vLLM runs its MoE layers with where it ships no table for the shape and
@@ -156,6 +159,15 @@ class VllmWorkload(BaseModel):
         if self.cache_root.rstrip("/") == "":
             raise rule_error("cacheRoot", "must not be the filesystem root")
         return self
+
+    def max_forward_tokens(self) -> int:
+        """The most tokens one forward of this engine runs: maxNumBatchedTokens, else vLLM's
+        largest default budget (16384, its offline default on large GPUs) or maxModelLen when
+        longer (a prompt not chunked runs whole). A learned token count above it is no
+        forward of this engine."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(VLLM_DEFAULT_TOKEN_BUDGET, self.max_model_len)
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments of ``vllm.LLM`` (vLLM's ``EngineArgs``), unset ones left out."""
