@@ -60,6 +60,10 @@ class OperatorConfig(BaseModel):
     # Threads that run handlers, and the API connections they pool (calls block).
     workers: int = Field(default=16, ge=1)
 
+    # Threads that answer admission (pod injection, KernelCache validation), apart from the
+    # handler threads: admission never waits behind reconcile work.
+    admission_workers: int = Field(default=4, ge=1)
+
     # Every KernelCache is reconciled at least this often: the safety net for missed watch
     # events, and the clock that starts a retry once its backoff has passed.
     resync_seconds: float = Field(default=30.0, gt=0)

@@ -14,7 +14,8 @@ import os
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 import kopf
 
@@ -48,6 +49,7 @@ KC = (GROUP, VERSION, PLURAL)
 COMPILE_JOBS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPILE}
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _configure(settings: kopf.OperatorSettings) -> None:
@@ -113,7 +115,9 @@ def _post(reconciled: Reconciled | None) -> None:
 def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
     _configure(settings)
-    memo.kube = memo.get("kube") or Kube.from_environment(connections=CONFIG.workers)
+    memo.kube = memo.get("kube") or Kube.from_environment(
+        connections=CONFIG.workers + CONFIG.admission_workers
+    )
     for problem in ensure_peering(memo.kube, CONFIG):
         logger.warning("%s; kopf keeps this replica paused until it exists", problem)
     if CONFIG.metrics_port:
@@ -236,22 +240,41 @@ def _operation(kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("operation") or "CREATE")
 
 
+# Admission is answered on these threads, never on kopf's handler threads: those run the
+# reconciles, and a reconcile may wait on the API server or a serving pod for its deadline.
+# With every reconcile worker busy, a labelled pod anywhere would wait behind them and be
+# refused by the API server's webhook timeout (failurePolicy Fail).
+ADMISSION = ThreadPoolExecutor(
+    max_workers=CONFIG.admission_workers, thread_name_prefix="kernelcache-admission"
+)
+
+
+async def _admitting(call: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(ADMISSION, call)
+
+
 @kopf.on.mutate("pods", labels={LABEL_CACHE: kopf.PRESENT}, operations=["CREATE"])
-def inject(
+async def inject(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A labelled serving pod: add the verify init-container, the cache volumes and env."""
-    pod, operation, said = dict(body), _operation(kwargs), len(warnings)
+    pod, operation = dict(body), _operation(kwargs)
+    ops = await _admitting(lambda: _inject(memo.kube, pod, operation, warnings))
+    if ops:
+        patch["spec"] = webhook.spec_patch(pod, ops)
+
+
+def _inject(kube: Kube, pod: dict[str, Any], operation: str, warnings: list[str]) -> list[Any]:
+    said = len(warnings)
     try:
-        kc = webhook.lookup(pod, memo.kube.get, operation)
+        kc = webhook.lookup(pod, kube.get, operation)
         ops = webhook.mutate_pod(pod, kc, CONFIG, operation=operation, warnings=warnings)
     except webhook.Denied as exc:
         raise kopf.AdmissionError(str(exc), code=403) from None
-    if ops:
-        patch["spec"] = webhook.spec_patch(pod, ops)
     about = webhook.life_cycle_object(kc)
     if ops and about is not None and len(warnings) > said:
-        _warn(memo.kube, about, "DeletedKernelCache", warnings[said])
+        _warn(kube, about, "DeletedKernelCache", warnings[said])
+    return list(ops)
 
 
 def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
@@ -267,10 +290,15 @@ def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])
-def validate(body: kopf.Body, **kwargs: Any) -> None:
+async def validate(body: kopf.Body, **kwargs: Any) -> None:
     """Refuse a KernelCache the CRD schema lets through, naming the field."""
+    obj, operation = dict(body), _operation(kwargs)
+    await _admitting(lambda: _validate(obj, operation))
+
+
+def _validate(obj: dict[str, Any], operation: str) -> None:
     try:
-        webhook.validate_kernelcache(dict(body), _operation(kwargs))
+        webhook.validate_kernelcache(obj, operation, CONFIG)
     except webhook.Denied as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
 
@@ -295,7 +323,7 @@ def peering_identity() -> str:
 def run(verbose: bool = False) -> int:
     """Run the operator in this thread until it is stopped (SIGTERM, SIGINT). No credentials
     for a cluster is one line and exit 10 here, before kopf would retry it every minute."""
-    kube = Kube.from_environment(connections=CONFIG.workers)
+    kube = Kube.from_environment(connections=CONFIG.workers + CONFIG.admission_workers)
     kopf.configure(verbose=verbose)
     kopf.run(
         memo=kopf.Memo(kube=kube),

@@ -98,8 +98,17 @@ def rule_error(field: str, detail: str) -> PydanticCustomError:
     return PydanticCustomError("spec_rule", "{detail}", {"field": field, "detail": detail})
 
 
-ABSOLUTE_PATH = r"^/[^\x00]*$"
-PATTERN_HINTS[ABSOLUTE_PATH] = "an absolute path such as /var/cache/vllm"
+# A path segment other than "." and "..", without lookarounds (the API server's schema
+# patterns are RE2): it starts with no dot, or a dot and no second dot, or two dots and more.
+_SEGMENT = r"([^/.\x00][^/\x00]*|\.[^/.\x00][^/\x00]*|\.\.[^/\x00]+)"
+# Where a container mounts a volume: absolute, not "/", no "." or ".." segment, no "//".
+ABSOLUTE_PATH = rf"^(/{_SEGMENT})+/?$"
+PATTERN_HINTS[ABSOLUTE_PATH] = (
+    "an absolute path below / without '.' or '..' segments, such as /var/cache/vllm"
+)
+# A volume's subPath, as the API server takes it: relative, no "." or ".." segment.
+SUB_PATH = rf"^{_SEGMENT}(/{_SEGMENT})*/?$"
+PATTERN_HINTS[SUB_PATH] = "a relative path inside the volume without '..', such as models/m"
 
 # An OCI reference pinned by digest: ``registry/repository@sha256:<64 hex>`` (a tag before
 # the digest is allowed and ignored, as container runtimes do). Serving never follows a tag.

@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from kernelcache.spec.common import ABSOLUTE_PATH, SPEC_CONFIG, ObjectName, Quantity, rule_error
+from kernelcache.spec.common import (
+    ABSOLUTE_PATH,
+    SPEC_CONFIG,
+    SUB_PATH,
+    ObjectName,
+    Quantity,
+    rule_error,
+)
 
 
 class PvcTemplate(BaseModel):
@@ -99,12 +106,16 @@ class ModelVolume(BaseModel):
     model_config = SPEC_CONFIG
 
     mount_path: str = Field(
+        max_length=1024,
         pattern=ABSOLUTE_PATH,
         description="Where the compile Job's container sees the model: the path serving "
         "mounts it at, e.g. /models/Qwen3-30B-A3B.",
     )
     sub_path: str | None = Field(
-        default=None, min_length=1, description="A directory of the volume to mount instead."
+        default=None,
+        max_length=1024,
+        pattern=SUB_PATH,
+        description="A directory of the volume to mount instead (relative, no '..').",
     )
     persistent_volume_claim: ModelClaim | None = Field(
         default=None, description="The weights on a claim (ReadOnlyMany or ReadWriteMany)."

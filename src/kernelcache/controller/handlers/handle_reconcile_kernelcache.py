@@ -111,6 +111,8 @@ def _reconcile_once(
     generation = meta.get("generation")
     try:
         kc = parse_kernelcache(_object(body), f"{namespace}/{name}")
+        if (why := manifests.mount_conflict(kc, config)) is not None:  # admitted unchecked
+            raise SpecError(f"{namespace}/{name}: spec.modelVolume.mountPath: {why}")
     except SpecError as exc:
         invalid = state.invalid_status(previous, exc.message, generation, now)
         return _write(kube, body, previous, invalid, "invalid", events, [])
