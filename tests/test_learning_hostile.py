@@ -2,7 +2,7 @@
 redirects or reports values past every bound costs the operator a fixed budget and cannot
 push the other pods' keys out of ``status.learned``. Each fault at the size and speed that
 broke the reader before: 1 byte every 0.5 s, a record over 1 MiB, a 302 to an internal URL,
-256 keys with int64-sized counts, 1e30 token counts and an 800 KB ``firstSeen``."""
+256 keys with counts at the bound, 1e30 token counts and an 800 KB ``firstSeen``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,13 @@ from kernelcache.controller import peer
 from kernelcache.controller.learning import configmap_data, merged, read
 from kernelcache.crd import crd_manifest
 from kernelcache.errors import SpecError
-from kernelcache.spec import LEARNED_KEYS_MAX, LearnedKey, LearnedStatus, parse_kernelcache
+from kernelcache.spec import (
+    COUNT_MAX,
+    LEARNED_KEYS_MAX,
+    LearnedKey,
+    LearnedStatus,
+    parse_kernelcache,
+)
 from tests.conftest import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +175,7 @@ def entry(**fields: Any) -> str:
     ("text", "message"),
     [
         (entry(tokens=10**30), "keys[0].tokens: Input should be less than or equal to 2147483647"),
-        (entry(count=10**30), "keys[0].count: Input should be less than or equal to 9223372036"),
+        (entry(count=10**30), "keys[0].count: Input should be less than or equal to 9007199254"),
         (entry(tokens=1e30), "keys[0].tokens: Input should be a valid integer"),
         (entry(firstSeen="x" * 803_000), "keys[0].firstSeen: String should have at most 20"),
         (entry(firstSeen="yesterday"), "keys[0].firstSeen: String should match pattern"),
@@ -195,7 +201,7 @@ def status_schema() -> dict[str, Any]:
     "bad",
     [
         {"keys": [{"toolchain": "v", "kernel": "k", "tokens": 10**30}]},
-        {"keys": [{"toolchain": "v", "kernel": "k", "count": 2**63}]},
+        {"keys": [{"toolchain": "v", "kernel": "k", "count": 2**53}]},
         {"keys": [{"toolchain": "v", "kernel": "k", "firstSeen": "x" * 803_000}]},
         {"keys": [{"toolchain": "v", "kernel": "k"}] * (LEARNED_KEYS_MAX + 1)},
         {"dropped": 10**30},
@@ -207,7 +213,7 @@ def test_the_crd_schema_refuses_what_the_operator_would_never_write(bad: dict[st
 
 
 def test_the_status_bound_is_the_record_bound() -> None:
-    assert LEARNED_KEYS_MAX == learned.LIMIT
+    assert LEARNED_KEYS_MAX == learned.LIMIT and COUNT_MAX == learned.COUNT_MAX
     assert LearnedKey.model_fields["pods"].metadata[0].max_length == learned.KEY_PODS
 
 
@@ -227,9 +233,9 @@ NOW = datetime(2026, 12, 2, 15, 0, tzinfo=timezone.utc)
 
 
 def flood() -> list[LearnedKey]:
-    """256 junk keys with counts near int64's end: what one pod reported to evict the rest."""
+    """256 junk keys with counts at the bound: what one pod reported to evict the rest."""
     return [
-        LearnedKey(toolchain="triton", kernel=f"junk{i}", count=2**62 + i)
+        LearnedKey(toolchain="triton", kernel=f"junk{i}", count=learned.COUNT_MAX - i)
         for i in range(learned.LIMIT)
     ]
 
@@ -252,7 +258,7 @@ def test_one_pod_cannot_evict_another_pods_keys_and_its_own_age_out_when_it_is_g
     assert hostile is not None and len(hostile["keys"]) == learned.LIMIT
     assert {"fused_moe_kernel", "sampler_kernel"} <= kernels(hostile)  # the real keys stay
     assert hostile["dropped"] == 2  # two of the junk keys are what was left out
-    assert all(c <= learned.INT64_MAX for c in (k["count"] for k in hostile["keys"]))
+    assert all(c <= learned.COUNT_MAX for c in (k["count"] for k in hostile["keys"]))
     # The hostile pod is deleted: its keys are marked gone, then age out.
     gone = NOW + timedelta(minutes=1)
     after = merged(hostile, {"engine-0": REAL}, 0, gone, {"engine-0"}, 3600)
@@ -274,8 +280,8 @@ def test_one_pod_cannot_evict_another_pods_keys_and_its_own_age_out_when_it_is_g
     )
 
 
-def test_counts_summed_over_pods_saturate_at_int64() -> None:
-    big = [LearnedKey(toolchain="v", kernel="k", count=learned.INT64_MAX)]
+def test_counts_summed_over_pods_saturate_at_the_bound() -> None:
+    big = [LearnedKey(toolchain="v", kernel="k", count=learned.COUNT_MAX)]
     keys, _ = learned.merge([], {"a": big, "b": big})
-    assert keys[0].count == learned.INT64_MAX and keys[0].pods == ["a", "b"]
+    assert keys[0].count == learned.COUNT_MAX and keys[0].pods == ["a", "b"]
     LearnedStatus(keys=keys)  # still a valid status

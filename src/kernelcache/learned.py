@@ -26,7 +26,7 @@ KIND = "KernelCacheLearned"
 # refused as too large, unread (a pod's answer is untrusted input).
 MAX_RECORD_BYTES = 1 << 20
 KEY_PODS = 8  # pods a key names (``spec.LearnedKey.pods``); a test ties the two
-INT64_MAX = 2**63 - 1  # counts saturate here: the API server's integers are int64
+COUNT_MAX = 2**53 - 1  # counts saturate here (``spec.COUNT_MAX``; a test ties the two)
 # Attribution the operator writes: a pod's own record never sets it.
 _ATTRIBUTION = {"pods", "gone_since"}
 
@@ -80,7 +80,7 @@ def merge(
 
     A pod's counts are its totals since it started, read again each time: a key's count is
     the larger of what was kept and what the pods report now (summed over them, saturating
-    at int64), never a sum over reads. The earliest ``first_seen`` is kept. A key is
+    at ``COUNT_MAX``), never a sum over reads. The earliest ``first_seen`` is kept. A key is
     attributed to the pods that report it and those of its pods still ``alive`` (None: no
     pod list, attribution kept as it is); once none is, ``gone_since`` is ``now``, and it
     ages out when that is before ``forget_before``. Only a change of pods changes a key's
@@ -95,7 +95,7 @@ def merge(
             else:
                 reported[identity(key)] = seen.model_copy(
                     update={
-                        "count": min(INT64_MAX, seen.count + key.count),
+                        "count": min(COUNT_MAX, seen.count + key.count),
                         "first_seen": _earliest(seen.first_seen, key.first_seen),
                         "pods": sorted({*seen.pods, pod}),
                     }
@@ -181,7 +181,7 @@ def parse(
             )
         keys.append(key.model_copy(update={"pods": [], "gone_since": None}))
     dropped = data.get("dropped", 0)
-    if not isinstance(dropped, int) or isinstance(dropped, bool) or not 0 <= dropped <= INT64_MAX:
+    if not isinstance(dropped, int) or isinstance(dropped, bool) or not 0 <= dropped <= COUNT_MAX:
         raise SpecError(f"{source}: dropped: expected a count, got {dropped!r:.40}")
     kept, over = bounded(keys)
-    return kept, min(INT64_MAX, dropped + over)
+    return kept, min(COUNT_MAX, dropped + over)

@@ -103,7 +103,7 @@ def read(
             if isinstance(answer, str):
                 problems.append(answer)
             else:
-                records[pod], dropped = answer, min(learned.INT64_MAX, dropped + over)
+                records[pod], dropped = answer, min(learned.COUNT_MAX, dropped + over)
     return records, dropped, problems
 
 
@@ -137,7 +137,7 @@ def merged(
         return None
     after = LearnedStatus(
         keys=keys,
-        dropped=min(learned.INT64_MAX, max(before.dropped, dropped + over)),
+        dropped=min(learned.COUNT_MAX, max(before.dropped, dropped + over)),
         pods=sorted(records)[:LEARNED_PODS_MAX] or before.pods,
         updated_at=before.updated_at,
     )

@@ -41,7 +41,7 @@ from kernelcache.spec.distribution import Distribution, OciSource, OciTarget, So
 from kernelcache.spec.loader import MAX_SPEC_BYTES, load_kernelcache, parse_kernelcache
 from kernelcache.spec.resource import KernelCache, KernelCacheSpec, ObjectMeta
 from kernelcache.spec.status import (
-    INT64_MAX,
+    COUNT_MAX,
     KEY_PODS_MAX,
     LEARNED_KEYS_MAX,
     LEARNED_PODS_MAX,
@@ -76,12 +76,12 @@ __all__ = [
     "ABSOLUTE_PATH",
     "API_VERSION",
     "ARCH",
+    "COUNT_MAX",
     "DIGEST",
     "DNS1123_LABEL",
     "DNS1123_SUBDOMAIN",
     "ENTRY_POINT",
     "GROUP",
-    "INT64_MAX",
     "KEY_PODS_MAX",
     "KIND",
     "LEARNED_KEYS_MAX",

@@ -78,7 +78,10 @@ class NodeStatus(BaseModel):
 # What a serving pod reports is untrusted: every number and string of it is bounded here, so
 # the API server refuses what the operator would never write (and the operator's own parse,
 # ``kernelcache.learned``, refuses it first, naming the field).
-INT64_MAX = 2**63 - 1
+# Counts stop at the largest integer a float64 holds exactly: the API server keeps a schema's
+# maximum as a float64 (2**63 - 1 rounds up past int64), and JSON readers parse counts as
+# doubles.
+COUNT_MAX = 2**53 - 1
 # No engine runs a forward of more tokens than an int32 indexes; a KernelCache's vllm warmers
 # bound them further (``VllmWorkload.max_forward_tokens``).
 TOKENS_MAX = 2**31 - 1
@@ -112,7 +115,7 @@ class LearnedKey(BaseModel):
         "maxNumBatchedTokens).",
     )
     count: int = Field(
-        default=1, ge=1, le=INT64_MAX, description="Times it was met, summed over pods."
+        default=1, ge=1, le=COUNT_MAX, description="Times it was met, summed over pods."
     )
     first_seen: str | None = Field(
         default=None, max_length=20, pattern=TIMESTAMP, description="When first met (UTC)."
@@ -142,7 +145,7 @@ class LearnedStatus(BaseModel):
         max_length=LEARNED_KEYS_MAX,
         description="Distinct keys, bounded, each pod a fair share.",
     )
-    dropped: int = Field(default=0, ge=0, le=INT64_MAX, description="Keys left out past the bound.")
+    dropped: int = Field(default=0, ge=0, le=COUNT_MAX, description="Keys left out past the bound.")
     pods: list[PodName] = Field(
         default_factory=list, max_length=LEARNED_PODS_MAX, description="The pods last read from."
     )
