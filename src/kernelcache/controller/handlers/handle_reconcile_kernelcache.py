@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kernelcache.contract import LABEL_ARCH
+from kernelcache.contract import LABEL_ARCH, LABEL_CACHE
 from kernelcache.controller import learning, manifests, metrics, modes, signing, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
@@ -232,7 +232,9 @@ def _prefetch(
     for name in existing:  # a class removed, or an arch that serves nothing now
         kube.delete(f"{collection}/{name}")
     pods = kube.list(path("v1", "pods", namespace), manifests.selector(uid, modes.PREFETCH))
-    return modes.node_states(pods, digests)
+    # Serving pods say when they found a node's copy damaged and started from the source.
+    users = kube.list(path("v1", "pods", namespace), f"{LABEL_CACHE}={kc.metadata.name}")
+    return modes.node_states(pods, digests, users)
 
 
 def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
