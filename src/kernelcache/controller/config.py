@@ -64,6 +64,10 @@ class OperatorConfig(BaseModel):
     # handler threads: admission never waits behind reconcile work.
     admission_workers: int = Field(default=4, ge=1)
 
+    # How long `kernelcache operator` waits at start for an API server that does not answer
+    # (one line says so, then it retries quietly every 2 s); past it, one line and exit 10.
+    startup_seconds: float = Field(default=300.0, gt=0)
+
     # Every KernelCache is reconciled at least this often: the safety net for missed watch
     # events, and the clock that starts a retry once its backoff has passed.
     resync_seconds: float = Field(default=30.0, gt=0)

@@ -13,6 +13,8 @@ import logging
 import os
 import secrets
 import socket
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -27,7 +29,7 @@ from kernelcache.contract import (
     MANAGED_BY,
 )
 from kernelcache.controller import manifests, metrics, webhook
-from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.config import ENV_PREFIX, OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     ConflictError,
@@ -41,6 +43,7 @@ from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
 from kernelcache.controller.handlers.handle_update_secret import reconcile_secret_users
 from kernelcache.controller.kube import ApiError, Kube, path
 from kernelcache.controller.manifests import COMPILE
+from kernelcache.errors import StorageError
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
 
@@ -320,10 +323,36 @@ def peering_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
 
 
+def wait_for_api(
+    kube: Kube, deadline_s: float, retry_s: float = 2.0, say: Callable[[str], None] | None = None
+) -> None:
+    """Return once the API server answers. One that does not is one line (``say``: stderr),
+    then quiet retries every ``retry_s`` until ``deadline_s``, then one ``StorageError``
+    (exit 10): kopf would print its retry loop's chained tracebacks for ever."""
+    say = say or (lambda line: print(f"kernelcache: {line}", file=sys.stderr, flush=True))
+    started, said = time.monotonic(), False
+    while True:
+        try:
+            kube.reach()
+            return
+        except StorageError as exc:
+            left = deadline_s - (time.monotonic() - started)
+            if left <= 0:
+                raise StorageError(
+                    f"{exc.message}; gave up after {deadline_s:g} s ({ENV_PREFIX}STARTUP_SECONDS)",
+                    path=exc.path,
+                ) from None
+            if not said:
+                say(f"{exc.message}; retrying every {retry_s:g} s for up to {left:.0f} s")
+                said = True
+            time.sleep(min(retry_s, left))
+
+
 def run(verbose: bool = False) -> int:
     """Run the operator in this thread until it is stopped (SIGTERM, SIGINT). No credentials
     for a cluster is one line and exit 10 here, before kopf would retry it every minute."""
     kube = Kube.from_environment(connections=CONFIG.workers + CONFIG.admission_workers)
+    wait_for_api(kube, CONFIG.startup_seconds)
     kopf.configure(verbose=verbose)
     kopf.run(
         memo=kopf.Memo(kube=kube),
