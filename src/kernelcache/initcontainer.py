@@ -438,7 +438,8 @@ def _from_store(root: Path, key: str, image: str | None = None) -> Path:
     raise StampMismatchError(
         f"{refused}; none of the {len(kept)} generations kept besides CURRENT "
         f"({gen_dir.name}) was built for it either (a new image's generation is published when "
-        "its compile Job ends; the kubelet retries this pod)"
+        "its compile Job ends: a pod with restartPolicy Always or OnFailure retries this "
+        "init-container until then; one with Never must be created again)"
     )
 
 
