@@ -27,6 +27,7 @@ from kernelcache.errors import SpecError
 from kernelcache.spec import (
     COUNT_MAX,
     LEARNED_KEYS_MAX,
+    TOKENS_MAX,
     LearnedKey,
     LearnedStatus,
     parse_kernelcache,
@@ -214,6 +215,7 @@ def test_the_crd_schema_refuses_what_the_operator_would_never_write(bad: dict[st
 
 def test_the_status_bound_is_the_record_bound() -> None:
     assert LEARNED_KEYS_MAX == learned.LIMIT and COUNT_MAX == learned.COUNT_MAX
+    assert TOKENS_MAX == learned.TOKENS_MAX
     assert LearnedKey.model_fields["pods"].metadata[0].max_length == learned.KEY_PODS
 
 
@@ -285,3 +287,29 @@ def test_counts_summed_over_pods_saturate_at_the_bound() -> None:
     keys, _ = learned.merge([], {"a": big, "b": big})
     assert keys[0].count == learned.COUNT_MAX and keys[0].pods == ["a", "b"]
     LearnedStatus(keys=keys)  # still a valid status
+
+
+def test_a_sibling_process_record_past_the_bounds_does_not_spoil_the_pods_record(
+    tmp_path, monkeypatch
+) -> None:
+    """An engine's sibling process shares its record through a directory: a key there past
+    any bound (which would make the operator refuse the pod's whole record) is left out."""
+    from kernelcache.runtime import learning, metrics
+
+    learning.forget()
+    monkeypatch.setattr(learning.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(learning, "_shared", None)
+    learning.share(9401)
+    metrics.record_vllm_jit_event("triton", "real_moe", 17)
+    shared = tmp_path / "kernelcache-learned-9401"
+    bad = [
+        {"toolchain": "vllm", "kernel": "k1", "tokens": 10**30, "count": 1},
+        {"toolchain": "vllm", "kernel": "k2", "count": 10**30},
+        {"toolchain": "vllm", "kernel": "k3", "count": 1, "firstSeen": "x" * 803_000},
+        {"toolchain": "vllm", "kernel": "real_moe", "tokens": 17, "count": learned.COUNT_MAX},
+    ]
+    (shared / "1.json").write_text(json.dumps({"keys": bad, "dropped": 10**30}))
+    keys, dropped = learned.parse(json.dumps(learning.record()), "record", max_tokens=8192)
+    assert [(k.kernel, k.count) for k in keys] == [("real_moe", learned.COUNT_MAX)]
+    assert dropped == learned.COUNT_MAX
+    learning.forget()

@@ -27,6 +27,7 @@ KIND = "KernelCacheLearned"
 MAX_RECORD_BYTES = 1 << 20
 KEY_PODS = 8  # pods a key names (``spec.LearnedKey.pods``); a test ties the two
 COUNT_MAX = 2**53 - 1  # counts saturate here (``spec.COUNT_MAX``; a test ties the two)
+TOKENS_MAX = 2**31 - 1  # ``spec.TOKENS_MAX``, for the serving side (no pydantic there)
 # Attribution the operator writes: a pod's own record never sets it.
 _ATTRIBUTION = {"pods", "gone_since"}
 
