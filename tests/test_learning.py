@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import pytest
 
 from kernelcache import learned
+from kernelcache.controller import peer
 from kernelcache.controller.learning import configmap_data, endpoints, events, merged, read
 from kernelcache.controller.peer import PeerError
 from kernelcache.errors import SpecError
@@ -42,6 +43,9 @@ def test_compiles_are_served_with_their_keys_and_labels_stay_bounded():
     assert record["cache"] == "default/kc" and record["arch"] == "sm_90a"
     keys, dropped = learned.parse(json.dumps(record), "record")
     assert len(keys) == learned.LIMIT and dropped == 301 - learned.LIMIT
+    # The operator's reader (one deadline, HTTP/1.0) reads the runtime's server as it is.
+    body = peer.get(f"{base}{learned.PATH}", 5.0, learned.MAX_RECORD_BYTES)
+    assert learned.parse(body, "read by the operator") == (keys, dropped)
     assert next(k for k in keys if k.tokens == 7).count == 2
     assert any(k.key == "abc123" and k.toolchain == "triton" for k in keys)
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:
