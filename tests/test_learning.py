@@ -11,7 +11,15 @@ import pytest
 
 from kernelcache import learned
 from kernelcache.controller import peer
-from kernelcache.controller.learning import configmap_data, endpoints, events, merged, read
+from kernelcache.controller.learning import (
+    BACKOFF_MOST_S,
+    Backoff,
+    configmap_data,
+    endpoints,
+    events,
+    merged,
+    read,
+)
 from kernelcache.controller.peer import PeerError
 from kernelcache.errors import SpecError
 from kernelcache.runtime import learning, metrics
@@ -129,12 +137,49 @@ def test_a_silent_or_wrong_pod_is_one_line_and_the_others_are_read():
         return b"<html>" if "wrong" in url else record
 
     urls = {name: f"http://{name}/x" for name in ("good", "silent", "wrong")}
-    records, dropped, problems = read(urls, 0.5, fetch)
+    records, dropped, problems = read(urls, 0.5, fetch, backoff=Backoff())
     assert list(records) == ["good"] and records["good"][0].tokens == 17 and dropped == 2
     assert problems == [
-        "pod silent http://silent/x: no complete answer within 0.5 s (0 bytes received)",
-        "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0))",
+        "pod silent http://silent/x: no complete answer within 0.5 s (0 bytes received); "
+        "not read for 60 s",
+        "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0)); "
+        "not read for 60 s",
     ]
+
+
+def test_a_pod_that_failed_is_left_alone_for_a_back_off_that_doubles() -> None:
+    """A trickling pod costs one deadline per back-off, not one per resync."""
+    now = [1000.0]
+    backoff = Backoff(clock=lambda: now[0])
+    asked: list[str] = []
+
+    def fetch(url: str, budget: float) -> bytes:
+        asked.append(url)
+        if "slow" in url:
+            raise PeerError("no complete answer within 2 s (3 bytes received)")
+        return json.dumps(learned.document([key("moe", 17)], 0)).encode()
+
+    urls = {"slow": "http://slow/x", "good": "http://good/x"}
+    read(urls, 2.0, fetch, backoff=backoff)
+    assert sorted(asked) == ["http://good/x", "http://slow/x"]
+    asked.clear()
+    now[0] += 59  # the next resyncs: the slow pod is not asked, the good one is
+    records, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert asked == ["http://good/x"] and list(records) == ["good"]
+    assert problem == "pod slow http://slow/x: not read for 1 s more (its last answer failed)"
+    now[0] += 2
+    asked.clear()
+    _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert sorted(asked) == ["http://good/x", "http://slow/x"]
+    assert problem.endswith("; not read for 120 s")  # doubled
+    for _ in range(6):  # each time it fails again as soon as it is asked: capped
+        now[0] += backoff.left("http://slow/x") + 1
+        _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert problem.endswith(f"; not read for {BACKOFF_MOST_S:.0f} s")
+    now[0] += 2 * BACKOFF_MOST_S + 1  # long past: forgotten, the next failure starts over
+    read({"good": "http://good/x"}, 2.0, fetch, backoff=backoff)
+    _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert problem.endswith("; not read for 60 s")
 
 
 NOW = datetime(2026, 12, 2, 15, 0, tzinfo=timezone.utc)

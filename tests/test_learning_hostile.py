@@ -21,7 +21,7 @@ import yaml
 
 from kernelcache import learned
 from kernelcache.controller import peer
-from kernelcache.controller.learning import configmap_data, merged, read
+from kernelcache.controller.learning import Backoff, configmap_data, merged, read
 from kernelcache.crd import crd_manifest
 from kernelcache.errors import SpecError
 from kernelcache.spec import (
@@ -106,7 +106,9 @@ def trickle(total: int) -> Callable[[socket.socket, Peer], None]:
 def test_a_pod_trickling_bytes_is_cut_off_at_the_one_deadline(peers) -> None:
     slow = peers(trickle(240))  # two minutes of trickle
     good = peers(lambda conn, p: p.send(conn, ok(RECORD.encode())))
-    records, _, problems = read({"slow": slow.url, "good": good.url}, scaled(2.0))
+    records, _, problems = read(
+        {"slow": slow.url, "good": good.url}, scaled(2.0), backoff=Backoff()
+    )
     assert list(records) == ["good"]
     [problem] = problems
     assert problem.startswith(f"pod slow {slow.url}: no complete answer within")
@@ -140,7 +142,7 @@ def ok(body: bytes, length: bool = True) -> bytes:
 def test_a_record_over_the_cap_is_too_large_not_not_json(peers, declared: bool) -> None:
     huge = b'{"keys": [' + b" " * (learned.MAX_RECORD_BYTES + 10) + b"]}"
     big = peers(lambda conn, p: p.send(conn, ok(huge, length=declared)))
-    records, _, [problem] = read({"big": big.url}, scaled(5.0))
+    records, _, [problem] = read({"big": big.url}, scaled(5.0), backoff=Backoff())
     assert records == {}
     assert problem.startswith(f"pod big {big.url}: too large") and "JSON" not in problem
     # The same record as a file (`build --learned`) is refused by size, unparsed.
@@ -156,11 +158,11 @@ def test_a_redirect_is_refused_and_named_never_followed(peers) -> None:
         p.send(conn, f"HTTP/1.0 302 Found\r\nLocation: {target}\r\n\r\n".encode())
 
     steering = peers(redirect)
-    records, _, [problem] = read({"steering": steering.url}, scaled(5.0))
+    records, _, [problem] = read({"steering": steering.url}, scaled(5.0), backoff=Backoff())
     assert records == {}
     assert problem == (
         f"pod steering {steering.url}: redirect (302) to '{target}' refused: "
-        "redirects are not followed"
+        "redirects are not followed; not read for 60 s"
     )
     assert internal.requests == 0
 

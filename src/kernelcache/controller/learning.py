@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,46 @@ log = logging.getLogger(__name__)
 
 # (url, seconds left): the answer's body, or a ``peer.PeerError``.
 Fetch = Callable[[str, float], bytes]
+
+# A pod whose last answer was not a record is left alone this long, doubling with each
+# failure up to the most: a pod that trickles costs a worker one deadline per back-off,
+# not one per resync, so a few such pods cannot take a share of the workers that every
+# other KernelCache needs.
+BACKOFF_FIRST_S, BACKOFF_MOST_S = 60.0, 900.0
+
+
+class Backoff:
+    """The pods (by URL) whose last read failed, and until when they are not read. Bounded:
+    an entry goes once its pod answers, or once its back-off has long passed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._until: dict[str, tuple[float, float]] = {}  # url -> (until, last delay)
+
+    def left(self, url: str) -> float:
+        with self._lock:
+            until, _ = self._until.get(url, (0.0, 0.0))
+            return max(0.0, until - self._clock())
+
+    def failed(self, url: str) -> float:
+        with self._lock:
+            now = self._clock()
+            for stale in [
+                u for u, (until, _) in self._until.items() if until + BACKOFF_MOST_S < now
+            ]:
+                del self._until[stale]
+            _, last = self._until.get(url, (0.0, 0.0))
+            delay = min(BACKOFF_MOST_S, 2 * last) if last else BACKOFF_FIRST_S
+            self._until[url] = (now + delay, delay)
+            return delay
+
+    def answered(self, url: str) -> None:
+        with self._lock:
+            self._until.pop(url, None)
+
+
+BACKOFF = Backoff()
 
 
 def endpoints(pods: Iterable[dict[str, Any]]) -> dict[str, str]:
@@ -72,25 +113,35 @@ def _get(url: str, budget: float) -> bytes:
 
 
 def read(
-    urls: dict[str, str], timeout: float, fetch: Fetch = _get, max_tokens: int | None = None
+    urls: dict[str, str],
+    timeout: float,
+    fetch: Fetch = _get,
+    max_tokens: int | None = None,
+    backoff: Backoff = BACKOFF,
 ) -> tuple[dict[str, list[LearnedKey]], int, list[str]]:
     """Each pod's keys, the keys they dropped, and one line per pod that did not answer a
     whole record by the deadline (``timeout`` after the read began, for all pods together)
     or answered something else than a record (``max_tokens``: the engine's most tokens per
-    forward)."""
+    forward); such a pod is not read again until its ``backoff`` passes."""
     deadline = time.monotonic() + timeout
 
     def one(item: tuple[str, str]) -> tuple[str, list[LearnedKey] | str, int]:
         pod, url = item
+        if wait := backoff.left(url):
+            return (
+                pod,
+                f"pod {pod} {url}: not read for {wait:.0f} s more (its last answer failed)",
+                0,
+            )
         left = deadline - time.monotonic()
         if left <= 0:  # more pods than readers, and the deadline passed before its turn
             return pod, f"pod {pod} {url}: not read: the {timeout:g} s deadline passed", 0
         try:
             keys, dropped = learned.parse(fetch(url, left), f"pod {pod} {url}", max_tokens)
-        except SpecError as exc:
-            return pod, exc.message, 0
-        except peer.PeerError as exc:
-            return pod, f"pod {pod} {url}: {exc}", 0
+        except (SpecError, peer.PeerError) as exc:
+            why = exc.message if isinstance(exc, SpecError) else f"pod {pod} {url}: {exc}"
+            return pod, f"{why}; not read for {backoff.failed(url):.0f} s", 0
+        backoff.answered(url)
         return pod, keys, dropped
 
     records: dict[str, list[LearnedKey]] = {}
