@@ -44,7 +44,7 @@ from tests.k8s_emulator import KubernetesEmulator, serving  # noqa: E402
 
 from kernelcache.controller.kube import Kube, jobs_path, kernelcache_path, path  # noqa: E402
 from kernelcache.controller.manifests import peering_crds  # noqa: E402
-from kernelcache.spec import crd_manifest  # noqa: E402
+from kernelcache.crd import crd_manifest  # noqa: E402
 
 ARCHES = ["sm_90a", "sm_100a", "sm_120a", "sm_89", "sm_80", "sm_103a"]
 NS = "bench"
@@ -133,6 +133,18 @@ def memory(pid: int) -> dict[str, float]:
     return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM")}
 
 
+def write_kubeconfig(folder: Path, url: str) -> Path:
+    """A kubeconfig for the emulator at ``url`` (the operator child reads it)."""
+    kubeconfig = folder / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "bench",
+        "clusters": [{"name": "bench", "cluster": {"server": url}}],
+        "users": [{"name": "bench", "user": {"token": "bench"}}],
+        "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "bench"}}],
+    }))  # fmt: skip
+    return kubeconfig
+
+
 def finish(kube: Kube, job: dict[str, Any]) -> None:
     """Play kubelet and Job controller: the warm container's result, then Complete."""
     name, arch = job["metadata"]["name"], job["metadata"]["labels"]["kernelcache.dev/arch"]
@@ -164,14 +176,7 @@ def main() -> int:
         for crd in [crd_manifest(), *peering_crds()]:
             emulator.declare(crd)
         tmp = Path(tempfile.mkdtemp(prefix="kernelcache-bench-"))
-        kubeconfig = tmp / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "bench",
-            "clusters": [{"name": "bench", "cluster": {"server": url}}],
-            "users": [{"name": "bench", "user": {"token": "bench"}}],
-            "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "bench"}}],
-        }))  # fmt: skip
-        os.environ["KUBECONFIG"] = str(kubeconfig)
+        os.environ["KUBECONFIG"] = str(write_kubeconfig(tmp, url))
         kube = Kube.from_environment()
         port = free_port()
         env = {**os.environ, "KERNELCACHE_OPERATOR_METRICS_PORT": str(port),

@@ -25,6 +25,7 @@ from tests.conftest import (
     REPO,
     SMALL_WORKLOAD,
     checked,
+    free_port,
     needs_cute,
     publish_files,
     run_kernelcache,
@@ -577,6 +578,41 @@ def test_the_operator_without_credentials_is_one_line_and_exit_10(tmp_path):
     assert proc.returncode == ExitCode.IO == 10, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "no Kubernetes credentials" in proc.stderr and str(tmp_path / "none") in proc.stderr
+
+
+def test_the_operator_against_an_api_server_that_is_down_says_so_once_then_gives_up(tmp_path):
+    """A kubeconfig whose API server refuses connections: one line, quiet retries, and at
+    the start-up deadline one more line and exit 10; kopf's chained tracebacks never."""
+    pytest.importorskip("kopf")
+    port = free_port()  # nothing listens there
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    env = subprocess_env(KUBECONFIG=str(kubeconfig), KERNELCACHE_OPERATOR_STARTUP_SECONDS="3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelcache", "operator"],
+        env={**env, "KUBERNETES_SERVICE_HOST": ""},
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == ExitCode.IO, proc.stderr
+    lines = proc.stderr.splitlines()
+    server = f"API server http://127.0.0.1:{port} unreachable"
+    assert len(lines) == 2 and all(server in line for line in lines), proc.stderr
+    assert "retrying every 2 s" in lines[0]
+    assert "gave up after 3 s (KERNELCACHE_OPERATOR_STARTUP_SECONDS)" in lines[1]
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_silent_warmer_gets_a_heartbeat_with_its_elapsed_time_and_timeout(monkeypatch, capsys):

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kernelcache import prefetch
-from kernelcache.contract import LABEL_ARCH, LABEL_DIGEST, REPORT_FILE
+from kernelcache.contract import LABEL_ARCH, LABEL_DIGEST, LOCAL_DAMAGED, REPORT_FILE
 from kernelcache.controller import modes, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.manifests import compile_job, spec_digest
@@ -923,3 +923,47 @@ def test_a_serving_container_without_the_image_volume_refuses_to_start_in_one_li
         f"kernelcache: KERNELCACHE_IN_PLACE_DIR={ARTIFACT_DIR}: does not hold the generation at "
         f"{gen} (mount its image volume in this container at that path)"
     )
+
+
+def test_a_node_copy_a_serving_pod_found_damaged_is_failed_in_status_nodes() -> None:
+    """The prefetch pod says Ready; a serving pod on that node then passed over the copy
+    (it did not verify) and started from the store: the node's entry says so, until the
+    node's prefetch runs again after it."""
+
+    def prefetcher(node: str, finished: str) -> dict[str, Any]:
+        done = {"exitCode": 0, "finishedAt": finished}
+        return {
+            "metadata": {"labels": {LABEL_ARCH: "sm_90a", LABEL_DIGEST: "d1"}},
+            "spec": {"nodeName": node},
+            "status": {
+                "phase": "Running",
+                "initContainerStatuses": [{"name": "prefetch", "state": {"terminated": done}}],
+            },
+        }
+
+    line = f"default/demo/sm_90a: {LOCAL_DAMAGED} (files/x: digest mismatch): read from its source"
+    server = {
+        "metadata": {"labels": {}},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "initContainerStatuses": [
+                {
+                    "name": "kernelcache",
+                    "state": {
+                        "terminated": {
+                            "exitCode": 0,
+                            "message": line,
+                            "finishedAt": "2026-12-03T10:05:00Z",
+                        }
+                    },
+                }
+            ]
+        },
+    }
+    pods = [prefetcher("n1", "2026-12-03T10:00:00Z"), prefetcher("n2", "2026-12-03T10:00:00Z")]
+    states = {s["node"]: s for s in modes.node_states(pods, {"sm_90a": "d1"}, [server])}
+    assert states["n1"]["phase"] == "Failed" and states["n1"]["message"] == line
+    assert states["n2"]["phase"] == "Ready"
+    fetched_again = [prefetcher("n1", "2026-12-03T10:09:00Z")]
+    [again] = modes.node_states(fetched_again, {"sm_90a": "d1"}, [server])
+    assert again["phase"] == "Ready"

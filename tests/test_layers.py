@@ -32,7 +32,7 @@ def test_the_tree_keeps_every_layer() -> None:
 def test_an_import_across_a_layer_fails_naming_the_contract(tmp_path: Path) -> None:
     shutil.copytree(REPO / "src" / "kernelcache", tmp_path / "src" / "kernelcache")
     shutil.copy(REPO / "pyproject.toml", tmp_path)
-    spec = tmp_path / "src" / "kernelcache" / "spec.py"
+    spec = tmp_path / "src" / "kernelcache" / "spec" / "common.py"
     spec.write_text(spec.read_text() + "\nfrom kernelcache import cli  # noqa: E402\n")
     proc = lint_imports(tmp_path / "src", tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr

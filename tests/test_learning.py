@@ -10,7 +10,17 @@ from datetime import datetime, timezone
 import pytest
 
 from kernelcache import learned
-from kernelcache.controller.learning import configmap_data, endpoints, events, merged, read
+from kernelcache.controller import peer
+from kernelcache.controller.learning import (
+    BACKOFF_MOST_S,
+    Backoff,
+    configmap_data,
+    endpoints,
+    events,
+    merged,
+    read,
+)
+from kernelcache.controller.peer import PeerError
 from kernelcache.errors import SpecError
 from kernelcache.runtime import learning, metrics
 from kernelcache.spec import LearnedKey
@@ -41,6 +51,9 @@ def test_compiles_are_served_with_their_keys_and_labels_stay_bounded():
     assert record["cache"] == "default/kc" and record["arch"] == "sm_90a"
     keys, dropped = learned.parse(json.dumps(record), "record")
     assert len(keys) == learned.LIMIT and dropped == 301 - learned.LIMIT
+    # The operator's reader (one deadline, HTTP/1.0) reads the runtime's server as it is.
+    body = peer.get(f"{base}{learned.PATH}", 5.0, learned.MAX_RECORD_BYTES)
+    assert learned.parse(body, "read by the operator") == (keys, dropped)
     assert next(k for k in keys if k.tokens == 7).count == 2
     assert any(k.key == "abc123" and k.toolchain == "triton" for k in keys)
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:
@@ -61,16 +74,16 @@ def test_merge_takes_the_larger_count_and_the_earliest_time_and_stays_bounded():
     kept = [key("moe", 17, count=3, first_seen="2026-12-01T00:00:00Z")]
     pod_a = [key("moe", 17, count=2, first_seen="2026-12-02T00:00:00Z"), key("moe", 33)]
     pod_b = [key("moe", 17, count=2), key("sampler")]
-    merged, dropped = learned.merge(kept, [pod_a, pod_b])
+    merged, dropped = learned.merge(kept, {"pod-a": pod_a, "pod-b": pod_b})
     assert dropped == 0
     assert [(k.kernel, k.tokens, k.count) for k in merged] == [
         ("moe", 17, 4), ("moe", 33, 1), ("sampler", None, 1),
     ]  # fmt: skip
     assert merged[0].first_seen == "2026-12-01T00:00:00Z"
-    again, _ = learned.merge(merged, [pod_a, pod_b])
+    again, _ = learned.merge(merged, {"pod-a": pod_a, "pod-b": pod_b})
     assert again == merged  # the same pods read again: nothing counted twice
     assert learned.sizes(merged) == [17, 33]
-    many = [[key("moe", n, count=n) for n in range(1, 11)]]
+    many = {"pod-a": [key("moe", n, count=n) for n in range(1, 11)]}
     small, dropped = learned.merge([], many, limit=3)
     assert [k.tokens for k in small] == [8, 9, 10] and dropped == 7
 
@@ -117,19 +130,56 @@ def test_only_ready_pods_with_a_metrics_port_are_asked():
 def test_a_silent_or_wrong_pod_is_one_line_and_the_others_are_read():
     record = json.dumps(learned.document([key("moe", 17)], 2)).encode()
 
-    def fetch(url: str, timeout: float) -> bytes:
-        assert timeout == 0.5
+    def fetch(url: str, budget: float) -> bytes:
+        assert 0 < budget <= 0.5  # what is left of the one deadline of the whole read
         if "silent" in url:
-            raise TimeoutError("timed out")
+            raise PeerError("no complete answer within 0.5 s (0 bytes received)")
         return b"<html>" if "wrong" in url else record
 
     urls = {name: f"http://{name}/x" for name in ("good", "silent", "wrong")}
-    records, dropped, problems = read(urls, 0.5, fetch)
+    records, dropped, problems = read(urls, 0.5, fetch, backoff=Backoff())
     assert list(records) == ["good"] and records["good"][0].tokens == 17 and dropped == 2
     assert problems == [
-        "pod silent http://silent/x: timed out",
-        "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0))",
+        "pod silent http://silent/x: no complete answer within 0.5 s (0 bytes received); "
+        "not read for 60 s",
+        "pod wrong http://wrong/x: not JSON (Expecting value: line 1 column 1 (char 0)); "
+        "not read for 60 s",
     ]
+
+
+def test_a_pod_that_failed_is_left_alone_for_a_back_off_that_doubles() -> None:
+    """A trickling pod costs one deadline per back-off, not one per resync."""
+    now = [1000.0]
+    backoff = Backoff(clock=lambda: now[0])
+    asked: list[str] = []
+
+    def fetch(url: str, budget: float) -> bytes:
+        asked.append(url)
+        if "slow" in url:
+            raise PeerError("no complete answer within 2 s (3 bytes received)")
+        return json.dumps(learned.document([key("moe", 17)], 0)).encode()
+
+    urls = {"slow": "http://slow/x", "good": "http://good/x"}
+    read(urls, 2.0, fetch, backoff=backoff)
+    assert sorted(asked) == ["http://good/x", "http://slow/x"]
+    asked.clear()
+    now[0] += 59  # the next resyncs: the slow pod is not asked, the good one is
+    records, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert asked == ["http://good/x"] and list(records) == ["good"]
+    assert problem == "pod slow http://slow/x: not read for 1 s more (its last answer failed)"
+    now[0] += 2
+    asked.clear()
+    _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert sorted(asked) == ["http://good/x", "http://slow/x"]
+    assert problem.endswith("; not read for 120 s")  # doubled
+    for _ in range(6):  # each time it fails again as soon as it is asked: capped
+        now[0] += backoff.left("http://slow/x") + 1
+        _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert problem.endswith(f"; not read for {BACKOFF_MOST_S:.0f} s")
+    now[0] += 2 * BACKOFF_MOST_S + 1  # long past: forgotten, the next failure starts over
+    read({"good": "http://good/x"}, 2.0, fetch, backoff=backoff)
+    _, _, [problem] = read(urls, 2.0, fetch, backoff=backoff)
+    assert problem.endswith("; not read for 60 s")
 
 
 NOW = datetime(2026, 12, 2, 15, 0, tzinfo=timezone.utc)
@@ -140,8 +190,8 @@ def test_status_and_event_say_what_was_learned_and_only_once():
     first = merged(None, {"pod-a": [key("moe", 17), key("moe", 33)]}, 0, NOW)
     assert first == {
         "keys": [
-            {"toolchain": "vllm", "kernel": "moe", "tokens": 17, "count": 1},
-            {"toolchain": "vllm", "kernel": "moe", "tokens": 33, "count": 1},
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 17, "count": 1, "pods": ["pod-a"]},
+            {"toolchain": "vllm", "kernel": "moe", "tokens": 33, "count": 1, "pods": ["pod-a"]},
         ],
         "dropped": 0,
         "pods": ["pod-a"],

@@ -308,6 +308,19 @@ def test_signing_status_is_pure_and_keeps_its_transition_times(tmp_path: Path) -
     assert refused["phase"] == "Degraded"  # not Ready while pods would refuse it
     assert signing.stale(foreign, data)
     assert not signing.stale(arch, data)
+    assert f"until its compile Job re-signs it with {fp}" in found[signing.CONDITION]["message"]
+
+    # The Secret's two keys are not a pair: re-signing cannot help, and the line says why.
+    other_priv, _ = generate_keypair(tmp_path / "other")
+    mismatched = {**data, SIGNING_KEY_FILE: base64.b64encode(other_priv.read_bytes()).decode()}
+    c = kinds(summarized(kc, arch, mismatched, held))[signing.CONDITION]
+    other = fingerprint(load_private_key(other_priv))
+    assert (c["status"], c["reason"]) == ("False", "KeysNotAPair")
+    assert c["message"].startswith(
+        f"the signing Secret's {SIGNING_KEY_FILE} ({other}) and {PUBLIC_KEY_FILE} ({fp}) are "
+        "not a pair"
+    )
+    assert "re-signed" not in c["message"]
 
     for broken in ({}, {PUBLIC_KEY_FILE: "bm90IGEga2V5"}):  # the Secret gone; a bad key
         status = summarized(kc, arch, broken, {})

@@ -295,11 +295,11 @@ def test_overall_phase(phases: list[str], overall: str) -> None:
 
 
 CONDITION_REASONS = {
-    "Ready": ("ArchesReady", "ArchesNotReady", "NoPublicKey", "InvalidSpec"),
+    "Ready": ("ArchesReady", "ArchesNotReady", "NoPublicKey", "KeysNotAPair", "InvalidSpec"),
     "Progressing": ("Compiling", "Pending", "Idle", "InvalidSpec"),
     "Degraded": (
         "NoFailures", "CompileFailed", "AllArchesFailed", "JobCannotStart", "InvalidSpec",
-        "ImageNotPublished", "SignedByAnotherKey",
+        "ImageNotPublished", "SignedByAnotherKey", "KeysNotAPair",
     ),
 }  # fmt: skip
 

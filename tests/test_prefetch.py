@@ -6,11 +6,15 @@ the exit code, the line, and what is on the node afterwards."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kernelcache import prefetch
+from kernelcache.contract import LOCAL_DAMAGED
 from kernelcache.errors import ExitCode
 from kernelcache.store import generate_keypair, verify
 from kernelcache.store.layout import FILES_DIR, SIGNATURE_NAME
@@ -125,3 +129,72 @@ def test_a_wanted_entry_naming_another_kernelcaches_copy_serves_nothing(tmp_path
     assert not (local.parent / "pod-demo").exists() or not list(
         (local.parent / "pod-demo").glob("*/files/triton/theirs.cubin")
     )
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_what_a_sigkilled_prefetch_left_is_removed_and_said_by_the_next(tmp_path: Path) -> None:
+    """A prefetch killed while it copied a 220 MB generation left its ``.partial-*`` behind,
+    which no later prefetch removed or counted (481.6 MB on disk, 251.7 MB reported)."""
+    big = publish(tmp_path / "shared", files={"triton/big.cubin": os.urandom(220 * 10**6)})
+    small = publish(tmp_path / "other-shared", key=OTHER)
+    local = tmp_path / "node"
+    prefetch.sync(local, OTHER, small.name, limit_bytes=10**9, store=tmp_path / "other-shared")
+    argv = [
+        "prefetch", "--root", str(local), "--key", KEY, "--want", big.name,
+        "--store", str(tmp_path / "shared"), "--limit", "1000000000",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelcache", *argv],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + scaled(120)
+        while not any(p.stat().st_size > 10**6 for p in local.glob(f"{KEY}/.partial-*/**/*")):
+            assert proc.poll() is None, "the prefetch finished before it could be killed"
+            assert time.monotonic() < deadline, "no .partial-* copy appeared"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    [left] = local.glob(f"{KEY}/.partial-*")
+    left_bytes = _tree_bytes(left)
+    synced = prefetch.sync(
+        local, OTHER, small.name, limit_bytes=10**9, store=tmp_path / "other-shared"
+    )
+    assert not left.exists() and synced.leftovers >= left_bytes > 10**6
+    assert "a killed prefetch had left" in synced.summary
+    # What is on the disk is what is reported: copies, their manifests and the node's files.
+    on_disk = _tree_bytes(local)
+    assert synced.used_bytes <= on_disk < synced.used_bytes + 100_000
+
+
+def test_a_damaged_node_copy_falls_back_to_the_store_and_says_so(tmp_path: Path) -> None:
+    """The node's copy rots after it was fetched: a pod that may fall back starts from the
+    store (it failed with exit 5 before), says why, and leaves the line in its termination
+    log, where the operator reads it into status.nodes; a local-only pod is refused."""
+    gen = publish(tmp_path / "shared")
+    local = tmp_path / "node"
+    prefetch.sync(local, KEY, gen.name, limit_bytes=10**9, store=tmp_path / "shared")
+    damaged = local / KEY / gen.name / FILES_DIR / next(iter(COMPILED))
+    damaged.chmod(0o644)
+    damaged.write_bytes(b"rot" + damaged.read_bytes()[3:])
+    log = tmp_path / "termination-log"
+    _, name, arch = KEY.split("/")
+    started = run_kernelcache(
+        "verify", "--namespace", NS, "--name", name, "--arch", arch, "--gpu-product", PRODUCT,
+        "--local", str(local), "--want", f"{arch}={gen.name}", "--store", str(tmp_path / "shared"),
+        "--materialize", str(tmp_path / "pod"), "--termination-log", str(log),
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "from this node's prefetched copy" not in started.stdout  # the store's
+    line = log.read_text().strip()
+    assert line.startswith(f"{KEY}: {LOCAL_DAMAGED} (") and "read from its source instead" in line
+    assert line in started.stderr
+    refused = pod(local, KEY, gen.name)  # --local-only: the node's copy or nothing
+    assert refused.returncode == ExitCode.INTEGRITY, refused.stderr

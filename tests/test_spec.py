@@ -510,6 +510,12 @@ ONE_SOURCE = "set exactly one of persistentVolumeClaim, configMap or image"
         ),
         ({"mountPath": "models", "configMap": {"name": "c"}}, "modelVolume.mountPath"),
         ({"mountPath": "/m", "persistentVolumeClaim": {"claimName": "Bad_Name"}}, "claimName"),
+        # What the API server refuses in the compile Job: each named here first.
+        ({"mountPath": "/", "configMap": {"name": "c"}}, r"modelVolume\.mountPath: expected an"),
+        ({"mountPath": "/models/../etc", "configMap": {"name": "c"}}, "modelVolume.mountPath"),
+        ({"mountPath": "/m", "subPath": "../../etc", "configMap": {"name": "c"}}, "subPath"),
+        ({"mountPath": "/m", "subPath": "a/../../b", "configMap": {"name": "c"}}, "subPath"),
+        ({"mountPath": "/m", "subPath": "/etc", "configMap": {"name": "c"}}, "subPath"),
     ],
 )
 def test_a_bad_model_volume_names_its_field(volume: dict[str, Any], message: str):
@@ -517,7 +523,7 @@ def test_a_bad_model_volume_names_its_field(volume: dict[str, Any], message: str
     doc["spec"]["modelVolume"] = volume
     with pytest.raises(SpecError, match=message):
         parse_kernelcache(doc, "kc.yaml")
-    if "mountPath" in message or "claimName" in message:  # the API server refuses them too
+    if message != ONE_SOURCE:  # the API server refuses them too
         assert list(jsonschema.Draft4Validator(openapi_schema()).iter_errors(doc))
 
 
@@ -525,4 +531,14 @@ def test_the_model_is_not_mounted_where_vllm_writes_its_cache():
     doc = yaml.safe_load((ROOT / "examples" / "vllm-qwen3-moe.yaml").read_text())
     doc["spec"]["modelVolume"]["mountPath"] = "/var/cache/vllm"
     with pytest.raises(SpecError, match=r"modelVolume\.mountPath: is a vllm warmer's cacheRoot"):
+        parse_kernelcache(doc, "kc.yaml")
+
+
+def test_a_misspelled_workload_field_is_matched_against_the_workload():
+    doc = yaml.safe_load((ROOT / "examples" / "vllm-qwen3-moe.yaml").read_text())
+    workload = next(w for w in doc["spec"]["warmers"] if w["type"] == "vllm")["workload"]
+    workload["maxModelLength"] = workload.pop("maxModelLen")
+    with pytest.raises(
+        SpecError, match=r"maxModelLength: unknown field \(did you mean maxModelLen"
+    ):
         parse_kernelcache(doc, "kc.yaml")

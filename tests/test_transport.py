@@ -164,6 +164,39 @@ def test_a_blob_redirected_from_https_to_plain_http_is_refused(
     assert not (tmp_path / "s").exists() or Store(tmp_path / "s").current(KEY) is None
 
 
+def test_a_blob_trickling_512_bytes_every_5_s_fails_below_the_floor_rate(
+    registry: Registry, pushed: str, tmp_path: Path
+) -> None:
+    """512 bytes every 5 s, with a read deadline longer than 5 s: no read ever times out
+    (the pull hung with no output); the floor rate cuts it, each try, in one line."""
+    old = publish(tmp_path / "s", files={"triton/old.cubin": b"old"})
+    fault = Fault(largest_layer(registry, pushed), "trickle", after_bytes=100_000)
+    read_s = max(6.0, READ_S)
+    network = {**NETWORK, contract.REGISTRY_READ_S.name: str(read_s)}
+    with running_proxy(registry, fault) as proxy:
+        started = time.monotonic()
+        done = run_kernelcache(
+            "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"),
+            *flags(registry, proxy.host, tmp_path), **network,
+        )  # fmt: skip
+        took = time.monotonic() - started
+    floor = contract.REGISTRY_MIN_BYTES_S.default
+    line = assert_failed_within(done, took, "layer", f"slower than {floor} bytes/s")
+    assert f"{TRIES} tries" in line and "silent" not in line, line
+    assert len(fault.hits) == TRIES  # resumed where it stopped, then given up
+    assert Store(tmp_path / "s").current(KEY) == old
+
+
+def test_a_manifest_trickling_fails_below_the_floor_rate(
+    registry: Registry, pushed: str, tmp_path: Path
+) -> None:
+    fault = Fault("/manifests/", "trickle", after_bytes=10, trickle=8, every_s=0.5)
+    done, took, proxy = pull_via_proxy(registry, pushed, tmp_path, fault)
+    assert_failed_within(
+        done, took, proxy.host, f"GET /v2/kc/net/manifests/{pushed}", "the answer came slower than"
+    )
+
+
 # --------------------------------------------------------------------------- where users see it
 
 
@@ -258,6 +291,24 @@ def test_a_local_registry_over_plain_http_takes_push_and_pull_with_plain_http(
     assert refused.returncode == ExitCode.IO, refused.stderr
     line = one_line_error(refused)
     assert proxy.host in line and "--plain-http" in line, line
+
+
+def test_a_plain_http_registry_redirecting_to_a_host_not_allowed_plain_http_is_refused(
+    registry: Registry, pushed: str, tmp_path: Path
+) -> None:
+    """An allowed loopback registry over plain HTTP sends its blobs to another plain-http
+    host: refused, naming it, and never asked (it would be refused for --plain-http)."""
+    fault = Fault("/blobs/", "redirect-to-http", location="http://storage.example:9000/b")
+    with running_proxy(registry, fault, tls=False) as proxy:
+        auth = flags(registry, proxy.host, tmp_path)[:2]
+        done, took = timed(
+            "pull", via(proxy.host, pushed), "--store", str(tmp_path / "s"), "--plain-http", *auth
+        )
+    assert_failed_within(
+        done, took, proxy.host, "redirected to plain http on storage.example:9000",
+        f"neither loopback nor named in {contract.PLAIN_HTTP_HOSTS.name}: refused",
+    )  # fmt: skip
+    assert not (tmp_path / "s").exists() or Store(tmp_path / "s").current(KEY) is None
 
 
 def test_plain_http_is_refused_for_a_registry_neither_loopback_nor_allowed(

@@ -568,6 +568,30 @@ def test_validation_rejects_cross_field_errors_naming_the_field(
     assert str(denied.value) == f"KernelCache team-a/demo: {field}"
 
 
+@pytest.mark.parametrize(
+    ("mount", "said"),
+    [
+        ("/var/lib/kernelcache", "is /var/lib/kernelcache, where the compile Job mounts the store"),
+        ("/var/lib/kernelcache/models", "is inside /var/lib/kernelcache"),
+        ("/var", "is above /var/lib/kernelcache"),
+        ("/etc/kernelcache", "is above /etc/kernelcache/spec"),
+        ("/tmp/model", "is inside /tmp"),
+    ],
+)
+def test_a_model_mounted_over_the_jobs_own_mounts_is_refused_naming_the_field(
+    mount: str, said: str
+) -> None:
+    kc = kernelcache(modelVolume={"mountPath": mount, "configMap": {"name": "qwen-config"}})
+    validate_kernelcache(kc)  # the spec alone is fine: the store's path is the operator's
+    with pytest.raises(Denied) as denied:
+        validate_kernelcache(kc, "CREATE", CONFIG)
+    assert str(denied.value).startswith(
+        f"KernelCache team-a/demo: spec.modelVolume.mountPath: {mount} {said}"
+    )
+    fine = kernelcache(modelVolume={"mountPath": "/models/m", "configMap": {"name": "c"}})
+    validate_kernelcache(fine, "CREATE", CONFIG)
+
+
 def test_validation_lets_an_object_being_deleted_through() -> None:
     kc = kernelcache(storage={"existingClaim": "models", "pvc": {"size": "10Gi"}})
     kc["metadata"]["deletionTimestamp"] = "2025-05-01T12:00:00Z"

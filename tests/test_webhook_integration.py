@@ -11,11 +11,14 @@ operator's ``inject`` handler as it would through a MutatingWebhookConfiguration
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import socket
 import ssl
 import subprocess
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from kernelcache.stamp_policy import ENGINE_IMAGE_FACTOR
 from tests.conftest import free_port, run_kernelcache, scaled
 from tests.helpers.chart import CHART, HELM
 from tests.helpers.generations import ARCH, make_stamp, publish
+from tests.k8s_emulator import admission_review
 
 IMAGE = "ghcr.io/kernelcache/examples:0.1.0"
 
@@ -161,6 +165,72 @@ def test_pods_created_through_the_api_are_injected_once_or_refused(
             assert readmitted["spec"] == spec
     finally:
         _SERVER.clear()
+
+
+def _review(url: str, obj: dict[str, Any], kind: str, resource: str) -> dict[str, Any]:
+    """POST one AdmissionReview as the API server would, with its default 10 s timeout."""
+    group, _, version = obj["apiVersion"].rpartition("/")
+    obj = {**obj, "metadata": {**obj["metadata"], "namespace": NS}}  # as the API server sets it
+    review = admission_review(
+        obj,
+        {"group": group, "version": version, "kind": kind},
+        {"group": group, "version": version, "resource": resource},
+        NS,
+        ("kubernetes-admin", ["system:masters"]),
+    )
+    request = urllib.request.Request(
+        url, json.dumps(review).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=scaled(10)) as answer:
+        return dict(json.load(answer)["response"])
+
+
+def test_admission_answers_while_every_reconcile_worker_is_busy(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One handler thread (KERNELCACHE_OPERATOR_WORKERS=1), held by a reconcile that waits
+    (as one waiting on a slow pod or API server does): a labelled pod and a KernelCache are
+    still admitted, on the admission threads, while it waits."""
+    busy, release = threading.Event(), threading.Event()
+    reconcile = main.reconcile_kernelcache
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        busy.set()
+        release.wait(scaled(60))
+        return reconcile(*args, **kwargs)
+
+    monkeypatch.setattr(main, "CONFIG", main.CONFIG.model_copy(update={"workers": 1}))
+    monkeypatch.setattr(main, "reconcile_kernelcache", held)
+    port = free_port()
+    _SERVER["server"] = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    try:
+        with operator(cluster), _released(release):
+            wait_until(lambda: _listening(port), what="the operator's webhook server")
+            cluster.apply(example())
+            assert busy.wait(scaled(30)), "no reconcile started"
+            answer = _review(
+                f"http://127.0.0.1:{port}/inject", serving_pod("llama-0"), "Pod", "pods"
+            )
+            assert answer["allowed"] and answer.get("patch"), answer
+            ops = json.loads(base64.b64decode(answer["patch"]))
+            assert any(op["path"].startswith("/spec/initContainers") for op in ops)
+            other = example("other")
+            answer = _review(
+                f"http://127.0.0.1:{port}/validate", other, "KernelCache", "kernelcaches"
+            )
+            assert answer["allowed"]
+            assert not release.is_set()  # all of it while the one worker was held
+    finally:
+        _SERVER.clear()
+
+
+@contextlib.contextmanager
+def _released(event: threading.Event) -> Iterator[None]:
+    """Set ``event`` on the way out, before the operator is asked to stop."""
+    try:
+        yield
+    finally:
+        event.set()
 
 
 def _verify_as_injected(init: dict[str, Any], store: Path, tmp: Path, arch: str) -> tuple[int, str]:

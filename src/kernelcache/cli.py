@@ -311,6 +311,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise
     for warning in outcome.warnings:
         print(f"kernelcache: warning: {warning}", file=sys.stderr)
+    if outcome.local_damaged is not None:  # the pod starts; its status says what it passed over
+        initcontainer.write_termination_log(log, outcome.local_damaged)
     if args.json:
         output.print_json(output.verify_json(outcome))
     else:

@@ -338,6 +338,13 @@ REGISTRY_TRIES = Variable(
     "before it fails",
     _count(int, 1),
 )
+REGISTRY_MIN_BYTES_S = Variable(
+    "KERNELCACHE_REGISTRY_MIN_BYTES_S",
+    10240,
+    "the slowest a body (a manifest, a blob) may arrive, in bytes per second averaged over "
+    "each KERNELCACHE_REGISTRY_READ_S; 0: no floor",
+    _count(int, 0),
+)
 PLAIN_HTTP_HOSTS = Variable[tuple[str, ...]](
     "KERNELCACHE_PLAIN_HTTP_HOSTS",
     (),
@@ -392,6 +399,7 @@ class Settings:
     registry_connect_s: Annotated[float, REGISTRY_CONNECT_S] = REGISTRY_CONNECT_S.default
     registry_read_s: Annotated[float, REGISTRY_READ_S] = REGISTRY_READ_S.default
     registry_tries: Annotated[int, REGISTRY_TRIES] = REGISTRY_TRIES.default
+    registry_min_bytes_s: Annotated[int, REGISTRY_MIN_BYTES_S] = REGISTRY_MIN_BYTES_S.default
     plain_http_hosts: Annotated[tuple[str, ...], PLAIN_HTTP_HOSTS] = PLAIN_HTTP_HOSTS.default
 
     @classmethod
@@ -408,3 +416,9 @@ _FIELDS: dict[str, Variable[Any]] = {
 }
 # Every variable kernelcache reads, then those it only sets for a warmer's command.
 VARIABLES = (*_FIELDS.values(), WARM_FILES, WARM_WORKLOAD)
+
+
+# A serving pod's init-container that passed over its node's prefetched copy (it did not
+# verify) and started from the copy's source says so in its termination log, after the key;
+# the operator reads it into that node's entry of status.nodes.
+LOCAL_DAMAGED = "this node's prefetched copy did not verify"

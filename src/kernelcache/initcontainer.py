@@ -38,12 +38,12 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kernelcache import contract, envfile, nodemap
-from kernelcache.contract import POLICIES, CacheKey
+from kernelcache.contract import LOCAL_DAMAGED, POLICIES, CacheKey
 from kernelcache.errors import (
     IntegrityError,
     MissingGenerationError,
@@ -143,6 +143,7 @@ class Outcome:
     in_place_files: int = 0
     source: str = "store"  # store | local (the node's prefetched copy) | artifact | pull
     waited_seconds: float = 0.0  # for the node's copy to land
+    local_damaged: str | None = None  # the node's copy did not verify: why (its source used)
 
     @property
     def summary(self) -> str:
@@ -219,11 +220,22 @@ def _run(
     )
     key, arch = _key_and_arch(options, node)
     found = _Found()
-    with _located(options, key, arch, target, found) as (gen_dir, bound_key):
-        outcome = _verify_and_materialize(
-            options, gen_dir, bound_key, arch, node, target, env, public_key, found
+    try:
+        with _located(options, key, arch, target, found) as (gen_dir, bound_key):
+            return _verify_and_materialize(
+                options, gen_dir, bound_key, arch, node, target, env, public_key, found
+            )
+    except (IntegrityError, SignatureError) as exc:
+        if found.source != "local" or options.local_only:
+            raise
+        damaged = f"{key}: {LOCAL_DAMAGED} ({exc.message}): read from its source instead"
+    # The node's copy rotted on its disk: the pod starts from the copy's source, checked
+    # the same way, and says so (the operator reads it into status.nodes).
+    found = _Found(notes=[damaged], local_damaged=damaged)
+    with _located(replace(options, local=None), key, arch, target, found) as (gen_dir, bound):
+        return _verify_and_materialize(
+            options, gen_dir, bound, arch, node, target, env, public_key, found
         )
-    return outcome
 
 
 def _verify_and_materialize(
@@ -287,6 +299,7 @@ def _verify_and_materialize(
         warnings=[*found.notes, *untold, *([warning] if warning else [])],
         source=found.source,
         waited_seconds=found.waited_seconds,
+        local_damaged=found.local_damaged,
     )
     if target is not None:
         started = time.monotonic()
@@ -315,6 +328,7 @@ class _Found:
     source: str = "store"
     waited_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    local_damaged: str | None = None  # why the node's copy was passed over
 
 
 @contextmanager
@@ -426,7 +440,8 @@ def _from_store(root: Path, key: str, image: str | None = None) -> Path:
     raise StampMismatchError(
         f"{refused}; none of the {len(kept)} generations kept besides CURRENT "
         f"({gen_dir.name}) was built for it either (a new image's generation is published when "
-        "its compile Job ends; the kubelet retries this pod)"
+        "its compile Job ends: a pod with restartPolicy Always or OnFailure retries this "
+        "init-container until then; one with Never must be created again)"
     )
 
 

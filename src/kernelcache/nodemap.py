@@ -68,7 +68,8 @@ def reader(directory: Path) -> Callable[[str], Mapping[str, str]]:
             raise NoGpuInfoError(
                 f"node {node}: not in the node map {directory} (ConfigMap {CONFIGMAP_NAME}): "
                 f"the node has no {MAJOR_LABEL}/{MINOR_LABEL} labels, or joined after the map "
-                "was last written (the kubelet retries this init-container)"
+                "was last written (a pod with restartPolicy Never must be created again; "
+                "others retry this init-container)"
             ) from None
         except OSError as exc:
             raise NoGpuInfoError(f"node {node}: {where}: cannot read: {exc.strerror}") from None

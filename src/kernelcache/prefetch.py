@@ -20,6 +20,12 @@ into the same free space.
 A copy already here counts only when it verifies (every digest; its signature with a key):
 a damaged one is fetched again. A copy carries the generation's signature, so pods that
 require one can verify it.
+
+A prefetch killed midway (SIGKILL, OOM, a node drain) leaves what it was writing: a
+``.partial-*`` copy, a ``.pull-*`` scratch store, a ``.damaged-*`` copy being removed. No
+prefetch holds the node's lock then but the next one, so the next one removes them first
+and says how much it freed: the bound counts only copies, and 220 MB left by a killed
+prefetch would otherwise fill the disk behind its back.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class Synced:
     evicted: list[str] = field(default_factory=list)
     used_bytes: int = 0
     repaired: str | None = None  # why the copy that was here did not verify
+    leftovers: int = 0  # bytes that killed prefetches had left, removed first
 
     @property
     def summary(self) -> str:
@@ -70,6 +77,8 @@ class Synced:
         if self.repaired is not None:
             what = f"fetched again (the copy here did not verify: {self.repaired})"
         gone = f"; evicted {', '.join(self.evicted)}" if self.evicted else ""
+        if self.leftovers:
+            gone += f"; removed {_amount(self.leftovers)} a killed prefetch had left"
         return (
             f"{self.key}: generation {self.wanted.generation} ({self.wanted.token}) {what}; "
             f"{_amount(self.used_bytes)} used on this node{gone}"
@@ -106,11 +115,12 @@ def sync(
         root.mkdir(parents=True, exist_ok=True)
     trusted = load_public_keys(public_key) if public_key is not None else None
     with _node_lock(root, lock_wait_s):
+        leftovers = remove_leftovers(root)
         repaired = None
         if (have := find(root, key, token)) is not None:
             problem = _damage(have, root, trusted, require_signature, workers)
             if problem is None:
-                return Synced(key, have, False, used_bytes=used(root))
+                return Synced(key, have, False, used_bytes=used(root), leftovers=leftovers)
             repaired = problem
             _remove_copy(have.gen_dir(root))
         evicted: list[str] = []
@@ -145,7 +155,39 @@ def sync(
             materialize(result, root / key, workers=workers)
             wanted = Wanted(token, key, manifest.generation, key)
         write_wanted(root, key, wanted)
-        return Synced(key, wanted, True, evicted, used(root), repaired)
+        return Synced(key, wanted, True, evicted, used(root), repaired, leftovers)
+
+
+# What a prefetch writes before it is done: at the root (a pull's scratch store) and in a
+# key's directory (a copy being materialized, replaced or removed).
+_ROOT_LEFTOVERS = (".pull-",)
+_KEY_LEFTOVERS = (".partial-", ".stale-", ".damaged-")
+
+
+def remove_leftovers(root: Path) -> int:
+    """Remove what killed prefetches left under ``root``; the bytes freed. Called under the
+    node's lock: no live prefetch is writing any of it."""
+    found = [p for p in root.glob(".*") if p.name.startswith(_ROOT_LEFTOVERS)]
+    found += [
+        p
+        for p in root.glob("*/*/*/.*")
+        if p.name.startswith(_KEY_LEFTOVERS) and not p.parts[-4].startswith(".")
+    ]
+    freed = 0
+    for path in found:
+        freed += _du(path)
+        with io_errors(path):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return freed
+
+
+def _du(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir() or p.is_symlink())
 
 
 @contextmanager

@@ -4,8 +4,10 @@ It forwards every request to the real registry (TLS, its CA) and answers over TL
 registry's own certificate, or over plain HTTP (a local registry without TLS). A ``Fault``
 picks requests by a piece of their path and breaks them: silent before any response
 header, silent in the middle of a blob after ``after_bytes`` (for the first ``times``
-requests, then forwarded: a resume with ``Range`` goes through), or a redirect to plain
-http. ``silent_listener`` accepts connections and never says a word (not even TLS).
+requests, then forwarded: a resume with ``Range`` goes through), a blob that trickles
+(``after_bytes`` at once, then ``trickle`` bytes every ``every_s``), or a redirect to plain
+http (on the proxy itself, or to ``location``). ``silent_listener`` accepts connections and
+never says a word (not even TLS).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ _NOT_RETURNED = {"transfer-encoding", "connection", "keep-alive"}
 @dataclass
 class Fault:
     path_part: str  # requests whose path holds this (e.g. "/blobs/") are broken
-    kind: str  # "silent-headers" | "silent-mid-blob" | "redirect-to-http"
-    after_bytes: int = 0  # silent-mid-blob: what is sent before the silence
+    kind: str  # "silent-headers" | "silent-mid-blob" | "trickle" | "redirect-to-http"
+    after_bytes: int = 0  # silent-mid-blob, trickle: what is sent before the silence or trickle
+    trickle: int = 512  # trickle: bytes sent each every_s
+    every_s: float = 5.0
+    location: str = ""  # redirect-to-http: where to (default: the same path on the proxy)
     times: int = 1_000_000  # how many matching requests are broken; later ones forwarded
     hits: list[str] = field(default_factory=list)  # "METHOD path Range" of each match
 
@@ -71,7 +76,9 @@ def running_proxy(registry: Registry, *faults: Fault, tls: bool = True) -> Itera
                     return
                 if fault.kind == "redirect-to-http":
                     self.send_response(307)
-                    self.send_header("Location", f"http://{proxy.host}{self.path}")
+                    self.send_header(
+                        "Location", fault.location or f"http://{proxy.host}{self.path}"
+                    )
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -97,6 +104,16 @@ def running_proxy(registry: Registry, *faults: Fault, tls: bool = True) -> Itera
             if self.command == "HEAD":
                 return
             sent = 0
+            if fault is not None and fault.kind == "trickle":
+                body = reply.raw.read(decode_content=False)
+                self.wfile.write(body[: fault.after_bytes])
+                self.wfile.flush()
+                for at in range(fault.after_bytes, len(body), fault.trickle):
+                    if release.wait(fault.every_s):
+                        return
+                    self.wfile.write(body[at : at + fault.trickle])
+                    self.wfile.flush()
+                return
             for chunk in reply.raw.stream(64 << 10, decode_content=False):
                 if fault is not None and fault.kind == "silent-mid-blob":
                     chunk = chunk[: max(0, fault.after_bytes - sent)]

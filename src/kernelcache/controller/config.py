@@ -60,13 +60,27 @@ class OperatorConfig(BaseModel):
     # Threads that run handlers, and the API connections they pool (calls block).
     workers: int = Field(default=16, ge=1)
 
+    # Threads that answer admission (pod injection, KernelCache validation), apart from the
+    # handler threads: admission never waits behind reconcile work.
+    admission_workers: int = Field(default=4, ge=1)
+
+    # How long `kernelcache operator` waits at start for an API server that does not answer
+    # (one line says so, then it retries quietly every 2 s); past it, one line and exit 10.
+    startup_seconds: float = Field(default=300.0, gt=0)
+
     # Every KernelCache is reconciled at least this often: the safety net for missed watch
     # events, and the clock that starts a retry once its backoff has passed.
     resync_seconds: float = Field(default=30.0, gt=0)
 
-    # Each resync reads what the KernelCache's ready serving pods compiled (controller.learning)
-    # with this deadline per pod; a pod that does not answer in time is skipped. 0: no learning.
-    learn_timeout_seconds: float = Field(default=2.0, ge=0)
+    # Each resync reads what the KernelCache's ready serving pods compiled (controller.learning),
+    # all of them at once, within this one deadline for the whole read (connect, headers and
+    # body: a pod that trickles bytes is cut off at it); a pod that has not answered a whole
+    # record by then is skipped. 0: no learning.
+    learn_timeout_seconds: float = Field(default=2.0, ge=0, le=30)
+
+    # A learned key whose pods are all gone ages out of status.learned this long after the
+    # last of them went (unless a pod reports it again): long enough to bridge a rollout.
+    learn_forget_seconds: float = Field(default=3600.0, ge=0)
 
     # Where compile Jobs mount the cache volume (passed to `kernelcache warm --store`).
     store_mount_path: str = "/var/lib/kernelcache"

@@ -44,11 +44,33 @@ def jobs_path(namespace: str, name: str = "") -> str:
     return path("batch/v1", "jobs", namespace, name)
 
 
+# Seconds to connect to the API server, and the longest it may stay silent in an answer:
+# every call has a deadline (a reconcile never waits on an API server for ever).
+CONNECT_S, READ_S = 10.0, 60.0
+
+
 class Kube:
     """Blocking JSON calls to one API server; thread-safe (the client pools connections)."""
 
     def __init__(self, api_client: Any) -> None:
         self._api = api_client
+
+    @property
+    def server(self) -> str:
+        return str(getattr(self._api.configuration, "host", "") or "the API server")
+
+    def reach(self, connect_s: float = CONNECT_S) -> None:
+        """One ``GET /version``: the API server answers, or one ``StorageError`` line naming
+        it and why (refused, no route, TLS, no answer within ``connect_s``)."""
+        try:
+            self.request("GET", "/version", timeout=(connect_s, connect_s))
+        except ApiError:
+            return  # it answered: an API server that says no is up
+        except Exception as exc:  # urllib3's errors, as the client raises them
+            reason = getattr(exc, "reason", None) or exc
+            raise StorageError(
+                f"API server {self.server} unreachable: {one_line(reason)}", path=self.server
+            ) from None
 
     @classmethod
     def from_environment(cls, connections: int = 16) -> Kube:
@@ -83,6 +105,7 @@ class Kube:
         body: Any = None,
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
+        timeout: tuple[float, float] = (CONNECT_S, READ_S),
     ) -> dict[str, Any]:
         method_, url, headers, data, _ = self._api.param_serialize(
             method=method,
@@ -92,7 +115,9 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
-        response = self._api.call_api(method_, url, header_params=headers, body=data)
+        response = self._api.call_api(
+            method_, url, header_params=headers, body=data, _request_timeout=timeout
+        )
         response.read()
         text = (response.data or b"").decode("utf-8", "replace")
         try:

@@ -13,8 +13,11 @@ import logging
 import os
 import secrets
 import socket
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 import kopf
 
@@ -26,7 +29,7 @@ from kernelcache.contract import (
     MANAGED_BY,
 )
 from kernelcache.controller import manifests, metrics, webhook
-from kernelcache.controller.config import OperatorConfig
+from kernelcache.controller.config import ENV_PREFIX, OperatorConfig
 from kernelcache.controller.handlers.handle_delete_kernelcache import Cleanup, delete_kernelcache
 from kernelcache.controller.handlers.handle_reconcile_kernelcache import (
     ConflictError,
@@ -40,6 +43,7 @@ from kernelcache.controller.handlers.handle_update_nodes import publish_node_map
 from kernelcache.controller.handlers.handle_update_secret import reconcile_secret_users
 from kernelcache.controller.kube import ApiError, Kube, path
 from kernelcache.controller.manifests import COMPILE
+from kernelcache.errors import StorageError
 from kernelcache.nodemap import gpu_labels
 from kernelcache.spec import GROUP, PLURAL, VERSION
 
@@ -48,6 +52,7 @@ KC = (GROUP, VERSION, PLURAL)
 COMPILE_JOBS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: COMPILE}
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _configure(settings: kopf.OperatorSettings) -> None:
@@ -113,7 +118,9 @@ def _post(reconciled: Reconciled | None) -> None:
 def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf, connect to the API server, ensure peering, serve /metrics."""
     _configure(settings)
-    memo.kube = memo.get("kube") or Kube.from_environment(connections=CONFIG.workers)
+    memo.kube = memo.get("kube") or Kube.from_environment(
+        connections=CONFIG.workers + CONFIG.admission_workers
+    )
     for problem in ensure_peering(memo.kube, CONFIG):
         logger.warning("%s; kopf keeps this replica paused until it exists", problem)
     if CONFIG.metrics_port:
@@ -236,22 +243,41 @@ def _operation(kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("operation") or "CREATE")
 
 
+# Admission is answered on these threads, never on kopf's handler threads: those run the
+# reconciles, and a reconcile may wait on the API server or a serving pod for its deadline.
+# With every reconcile worker busy, a labelled pod anywhere would wait behind them and be
+# refused by the API server's webhook timeout (failurePolicy Fail).
+ADMISSION = ThreadPoolExecutor(
+    max_workers=CONFIG.admission_workers, thread_name_prefix="kernelcache-admission"
+)
+
+
+async def _admitting(call: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(ADMISSION, call)
+
+
 @kopf.on.mutate("pods", labels={LABEL_CACHE: kopf.PRESENT}, operations=["CREATE"])
-def inject(
+async def inject(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A labelled serving pod: add the verify init-container, the cache volumes and env."""
-    pod, operation, said = dict(body), _operation(kwargs), len(warnings)
+    pod, operation = dict(body), _operation(kwargs)
+    ops = await _admitting(lambda: _inject(memo.kube, pod, operation, warnings))
+    if ops:
+        patch["spec"] = webhook.spec_patch(pod, ops)
+
+
+def _inject(kube: Kube, pod: dict[str, Any], operation: str, warnings: list[str]) -> list[Any]:
+    said = len(warnings)
     try:
-        kc = webhook.lookup(pod, memo.kube.get, operation)
+        kc = webhook.lookup(pod, kube.get, operation)
         ops = webhook.mutate_pod(pod, kc, CONFIG, operation=operation, warnings=warnings)
     except webhook.Denied as exc:
         raise kopf.AdmissionError(str(exc), code=403) from None
-    if ops:
-        patch["spec"] = webhook.spec_patch(pod, ops)
     about = webhook.life_cycle_object(kc)
     if ops and about is not None and len(warnings) > said:
-        _warn(memo.kube, about, "DeletedKernelCache", warnings[said])
+        _warn(kube, about, "DeletedKernelCache", warnings[said])
+    return list(ops)
 
 
 def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
@@ -267,10 +293,15 @@ def _warn(kube: Kube, about: dict[str, Any], reason: str, message: str) -> None:
 
 
 @kopf.on.validate(*KC, operations=["CREATE", "UPDATE"])
-def validate(body: kopf.Body, **kwargs: Any) -> None:
+async def validate(body: kopf.Body, **kwargs: Any) -> None:
     """Refuse a KernelCache the CRD schema lets through, naming the field."""
+    obj, operation = dict(body), _operation(kwargs)
+    await _admitting(lambda: _validate(obj, operation))
+
+
+def _validate(obj: dict[str, Any], operation: str) -> None:
     try:
-        webhook.validate_kernelcache(dict(body), _operation(kwargs))
+        webhook.validate_kernelcache(obj, operation, CONFIG)
     except webhook.Denied as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
 
@@ -292,10 +323,36 @@ def peering_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
 
 
+def wait_for_api(
+    kube: Kube, deadline_s: float, retry_s: float = 2.0, say: Callable[[str], None] | None = None
+) -> None:
+    """Return once the API server answers. One that does not is one line (``say``: stderr),
+    then quiet retries every ``retry_s`` until ``deadline_s``, then one ``StorageError``
+    (exit 10): kopf would print its retry loop's chained tracebacks for ever."""
+    say = say or (lambda line: print(f"kernelcache: {line}", file=sys.stderr, flush=True))
+    started, said = time.monotonic(), False
+    while True:
+        try:
+            kube.reach()
+            return
+        except StorageError as exc:
+            left = deadline_s - (time.monotonic() - started)
+            if left <= 0:
+                raise StorageError(
+                    f"{exc.message}; gave up after {deadline_s:g} s ({ENV_PREFIX}STARTUP_SECONDS)",
+                    path=exc.path,
+                ) from None
+            if not said:
+                say(f"{exc.message}; retrying every {retry_s:g} s for up to {left:.0f} s")
+                said = True
+            time.sleep(min(retry_s, left))
+
+
 def run(verbose: bool = False) -> int:
     """Run the operator in this thread until it is stopped (SIGTERM, SIGINT). No credentials
     for a cluster is one line and exit 10 here, before kopf would retry it every minute."""
-    kube = Kube.from_environment(connections=CONFIG.workers)
+    kube = Kube.from_environment(connections=CONFIG.workers + CONFIG.admission_workers)
+    wait_for_api(kube, CONFIG.startup_seconds)
     kopf.configure(verbose=verbose)
     kopf.run(
         memo=kopf.Memo(kube=kube),

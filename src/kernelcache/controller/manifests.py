@@ -30,6 +30,7 @@ import hashlib
 import json
 import secrets
 from datetime import datetime, timezone
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -412,6 +413,31 @@ REGISTRY_DIR = "/etc/kernelcache/registry"
 REGISTRY_CA_DIR = "/etc/kernelcache/registry-ca"
 DOCKER_CONFIG_KEY = ".dockerconfigjson"  # the key of a kubernetes.io/dockerconfigjson Secret
 REGISTRY_CA_KEY = "ca.crt"
+
+
+def mount_conflict(kc: KernelCache, config: OperatorConfig) -> str | None:
+    """Why ``spec.modelVolume.mountPath`` cannot be mounted in the compile Job (None: it
+    can): at, inside or over one of the Job's own mounts (the store, the spec, the signing
+    key, registry credentials, /tmp, the termination log), it would hide it or be hidden."""
+    model = kc.spec.model_volume
+    if model is None:
+        return None
+    at = PurePosixPath(model.mount_path)
+    own = {
+        config.store_mount_path: "the store (KERNELCACHE_OPERATOR_STORE_MOUNT_PATH)",
+        SPEC_DIR: "the spec",
+        SIGNING_DIR: "the signing key",
+        REGISTRY_DIR: "registry credentials",
+        REGISTRY_CA_DIR: "the registry CA",
+        "/tmp": "scratch space",
+        TERMINATION_LOG: "the termination log",
+    }
+    for path, what in own.items():
+        theirs = PurePosixPath(path)
+        if at == theirs or theirs in at.parents or at in theirs.parents:
+            where = "is" if at == theirs else "is inside" if theirs in at.parents else "is above"
+            return f"{model.mount_path} {where} {path}, where the compile Job mounts {what}"
+    return None
 
 
 def registry_access(

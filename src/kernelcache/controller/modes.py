@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernelcache.contract import LABEL_ARCH, LABEL_DIGEST
+from kernelcache.contract import LABEL_ARCH, LABEL_DIGEST, LOCAL_DAMAGED
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.manifests import (
     _CONTAINER_SECURITY,
@@ -263,10 +263,36 @@ def prefetch_daemonset(
     }
 
 
-def node_states(pods: list[dict[str, Any]], digests: dict[str, str]) -> list[dict[str, Any]]:
+def _damaged(serving: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(node, arch) -> (when, line) of the latest serving pod that found that node's copy
+    damaged (its init-container's termination log, exit 0: it started from the source)."""
+    found: dict[tuple[str, str], tuple[str, str]] = {}
+    for pod in serving:
+        node = (pod.get("spec") or {}).get("nodeName")
+        for init in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            done = (init.get("state") or {}).get("terminated") or {}
+            line = (done.get("message") or "").strip()
+            if not node or done.get("exitCode") != 0 or LOCAL_DAMAGED not in line:
+                continue
+            key = line.split(": ", 1)[0]
+            arch = key.rsplit("/", 1)[-1]
+            when = str(done.get("finishedAt") or "")
+            if (node, arch) not in found or found[(node, arch)][0] < when:
+                found[(node, arch)] = (when, line)
+    return found
+
+
+def node_states(
+    pods: list[dict[str, Any]],
+    digests: dict[str, str],
+    serving: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Per node and arch, the prefetch state its DaemonSet pod shows: Ready (the fetch
     finished, the pod holds), Pulling (the fetch runs, or the pod is of an older template),
-    Failed (the fetch's last failure, its one line as the message; it is retried)."""
+    Failed (the fetch's last failure, its one line as the message; it is retried). A copy
+    a ``serving`` pod found damaged after it was fetched is Failed too, with that pod's
+    line: its pods start from the source, and the node's copy is not what it says."""
+    damaged = _damaged(serving or [])
     found = []
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -288,6 +314,9 @@ def node_states(pods: list[dict[str, Any]], digests: dict[str, str]) -> list[dic
             phase, message = "Failed", text.splitlines()[-1][:300] if text else "failed"
         else:
             phase, message = "Pulling", "fetching the generation"
+        fetched_at = str(terminated.get("finishedAt") or "")
+        if phase == "Ready" and (seen := damaged.get((node, arch))) and seen[0] >= fetched_at:
+            phase, message = "Failed", seen[1][:300]
         found.append({"node": node, "arch": arch, "phase": phase, "message": message})
     return sorted(found, key=lambda n: (n["node"], n["arch"]))
 

@@ -107,6 +107,14 @@ def trust_condition(
     prints, problem = trusted(data)
     if problem is not None:
         return CONDITION, False, "NoPublicKey", f"pods would refuse every generation: {problem}"
+    signer = signs_with(data)
+    if signer is not None and signer not in prints:  # re-signing would not help
+        message = (
+            f"the signing Secret's {SIGNING_KEY_FILE} ({signer}) and {PUBLIC_KEY_FILE} "
+            f"({', '.join(prints)}) are not a pair: every generation its compile Jobs sign is "
+            "refused by pods; put a matching pair in the Secret (kernelcache keygen writes one)"
+        )
+        return CONDITION, False, "KeysNotAPair", message
     refused = [
         f"{a['arch']}: generation {a['generation']} signed by {a.get('signedBy') or 'no key'}"
         for a in arches
@@ -115,7 +123,10 @@ def trust_condition(
     if refused:
         message = (
             f"pods trust {', '.join(prints)} and would refuse {'; '.join(refused)} "
-            "until it is re-signed"
+            f"until its compile Job re-signs it with {signer}"
+            if signer is not None
+            else f"pods trust {', '.join(prints)} and would refuse {'; '.join(refused)}: the "
+            f"signing Secret has no usable {SIGNING_KEY_FILE} to re-sign it with"
         )
         return CONDITION, False, "SignedByAnotherKey", message
     return CONDITION, True, "SignedByTrustedKey", f"pods trust {', '.join(prints)}"

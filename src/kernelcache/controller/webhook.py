@@ -81,6 +81,7 @@ from kernelcache.controller.manifests import (
     TERMINATION_LOG,
     claim_name,
     image_of,
+    mount_conflict,
     record_name,
 )
 from kernelcache.errors import SpecError
@@ -510,7 +511,9 @@ def spec_patch(pod: dict[str, Any], ops: Patch) -> dict[str, Any]:
     return {key: new_spec[key] for key in sorted(touched)}
 
 
-def validate_kernelcache(obj: dict[str, Any], operation: str = "CREATE") -> None:
+def validate_kernelcache(
+    obj: dict[str, Any], operation: str = "CREATE", config: OperatorConfig | None = None
+) -> None:
     """Refuse a KernelCache the CRD schema admits but the spec rules do not.
 
     ``parse_kernelcache`` holds the cross-field rules (exactly one storage source, a signing
@@ -523,6 +526,8 @@ def validate_kernelcache(obj: dict[str, Any], operation: str = "CREATE") -> None
         return
     source = f"KernelCache {meta.get('namespace') or 'default'}/{meta.get('name') or '?'}"
     try:
-        parse_kernelcache(obj, source)
+        kc = parse_kernelcache(obj, source)
     except SpecError as exc:
         raise Denied(exc.message) from None
+    if config is not None and (why := mount_conflict(kc, config)) is not None:
+        raise Denied(f"{source}: spec.modelVolume.mountPath: {why}")

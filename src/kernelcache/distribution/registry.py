@@ -21,7 +21,7 @@ from typing import Any
 
 from kernelcache.distribution.auth import AuthLike, credentials_for, where_looked
 from kernelcache.distribution.reference import Reference
-from kernelcache.distribution.transport import Network, configure, step_of
+from kernelcache.distribution.transport import Network, RateFloor, configure, step_of
 from kernelcache.errors import (
     IntegrityError,
     KernelCacheError,
@@ -195,11 +195,31 @@ class Client:
             if response.status_code == 404:
                 raise MissingGenerationError(f"{what}: not in the registry")
             self._check(response, what)
-            data = response.raw.read(MAX_MANIFEST_BYTES + 1, decode_content=True)
+            data = self._small_body(response, f"GET {step_of(url)}")
             media_type = response.headers.get("Content-Type", "")
         if len(data) > MAX_MANIFEST_BYTES:
             raise IntegrityError(f"{what}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
         return data, media_type.split(";")[0].strip()
+
+    def _small_body(self, response: Any, step: str) -> bytes:
+        """A manifest's bytes, at most ``MAX_MANIFEST_BYTES + 1``, at the floor rate."""
+        import requests
+        import urllib3
+
+        data = bytearray()
+        with RateFloor(response, self.network) as floor:
+            try:
+                while len(data) <= MAX_MANIFEST_BYTES and (
+                    chunk := response.raw.read1(MAX_MANIFEST_BYTES + 1 - len(data), True)
+                ):
+                    data += chunk
+                    floor.add(len(chunk))
+            except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, OSError):
+                if floor.tripped is None:
+                    raise
+        if floor.tripped is not None:
+            raise StorageError(f"{self.ref.registry}: {step}: the answer came {floor.tripped}")
+        return bytes(data)
 
     def put_manifest(self, reference: str, data: bytes, media_type: str) -> None:
         """Upload a manifest as these very bytes (its digest is theirs)."""
@@ -265,24 +285,34 @@ class Client:
                 # A blob is bytes as stored: read it as urllib3 receives it (decoding, with
                 # its copy into a buffer, only for a registry that sends it content-encoded).
                 encoded = response.headers.get("Content-Encoding", "identity") != "identity"
-                try:
-                    for chunk in response.raw.stream(READ_CHUNK, decode_content=encoded):
-                        received += len(chunk)
-                        yield chunk
+                failure: Exception | None = None
+                # read1: each piece as it arrives, so the floor sees a trickle byte by byte.
+                with RateFloor(response, self.network) as floor:
+                    try:
+                        while chunk := response.raw.read1(READ_CHUNK, decode_content=encoded):
+                            received += len(chunk)
+                            floor.add(len(chunk))
+                            yield chunk
+                    except (
+                        requests.exceptions.RequestException,
+                        urllib3.exceptions.HTTPError,
+                        OSError,
+                    ) as exc:
+                        failure = exc
+                if failure is None and floor.tripped is None:
                     return
-                except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as exc:
-                    if tries < self.network.tries and not encoded:
-                        continue
-                    stalled = isinstance(exc, urllib3.exceptions.ReadTimeoutError)
-                    why = (
-                        f"silent for {self.network.read_s:g} s"
-                        if stalled
-                        else f"broke off: {_reason(exc)}"
-                    )
-                    raise StorageError(
-                        f"{what}: the download {why} at byte {received}, "
-                        f"{tries} {'try' if tries == 1 else 'tries'}"
-                    ) from exc
+                if tries < self.network.tries and not encoded:
+                    continue
+                stalled = isinstance(failure, urllib3.exceptions.ReadTimeoutError)
+                why = (
+                    floor.tripped
+                    or (f"silent for {self.network.read_s:g} s" if stalled else None)
+                    or f"broke off: {_reason(failure) if failure else 'closed early'}"
+                )
+                raise StorageError(
+                    f"{what}: the download {why} at byte {received}, "
+                    f"{tries} {'try' if tries == 1 else 'tries'}"
+                ) from failure
 
 
 def _unretried_registry(oras: Any) -> type:

@@ -28,6 +28,7 @@ from kernelcache import learned
 # side imports no pydantic.
 Key = dict[str, Any]
 
+_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # spec.TIMESTAMP: what the operator accepts
 _lock = threading.Lock()
 _keys: dict[tuple[Any, ...], Key] = {}
 _dropped = 0
@@ -56,11 +57,11 @@ def note(toolchain: str, kernel: str, key: str | None = None, tokens: int | None
         entry["key"] = key[:200]
     if tokens and tokens > 0:
         entry["tokens"] = tokens
-    entry["firstSeen"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    entry["firstSeen"] = time.strftime(_TIME_FORMAT, time.gmtime())
     with _lock:
         seen = _keys.get(_identity(entry))
         if seen is not None:
-            seen["count"] += 1
+            seen["count"] = min(learned.COUNT_MAX, seen["count"] + 1)
         elif len(_keys) < learned.LIMIT:
             _keys[_identity(entry)] = entry
         else:
@@ -98,22 +99,51 @@ def record() -> dict[str, Any]:
         if path.stem == str(os.getpid()):
             continue
         try:
+            if path.stat().st_size > learned.MAX_RECORD_BYTES:
+                continue  # no sibling writes that much: not a record
             data = json.loads(path.read_bytes())
-            dropped += int(data.get("dropped", 0))
+            dropped = min(learned.COUNT_MAX, dropped + max(0, int(data.get("dropped", 0))))
             for key in data["keys"]:
-                if not isinstance(key.get("count"), int) or not isinstance(key["kernel"], str):
-                    continue
+                if not _plausible(key):
+                    continue  # the operator would refuse the whole record for it
                 seen = merged.get(_identity(key))
                 if seen is None:
                     merged[_identity(key)] = dict(key)
                 else:
-                    seen["count"] += int(key.get("count", 1))
+                    seen["count"] = min(learned.COUNT_MAX, seen["count"] + key["count"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # a sibling writing or gone: its keys come with the next read
     ranked = sorted(merged.values(), key=lambda k: (-k["count"], _identity(k)))
     kept = sorted(ranked[: learned.LIMIT], key=_identity)
     extra = len(ranked) - len(kept)
     return _document(kept, dropped + extra, pid=os.getpid(), **_about)
+
+
+def _plausible(key: Any) -> bool:
+    """A sibling's key as this process would have written it: counts within the bound,
+    a positive token count if any, names of their bounded lengths."""
+    count, tokens = key.get("count"), key.get("tokens")
+    return (
+        isinstance(count, int)
+        and 1 <= count <= learned.COUNT_MAX
+        and (tokens is None or (isinstance(tokens, int) and 1 <= tokens <= learned.TOKENS_MAX))
+        and isinstance(key.get("kernel"), str)
+        and len(key["kernel"]) <= 200
+        and isinstance(key.get("toolchain"), str)
+        and len(key["toolchain"]) <= 64
+        and (key.get("key") is None or (isinstance(key["key"], str) and len(key["key"]) <= 200))
+        and _timestamp(key.get("firstSeen"))
+    )
+
+
+def _timestamp(value: Any) -> bool:
+    if value is None:
+        return True
+    try:
+        time.strptime(value, _TIME_FORMAT)
+    except (TypeError, ValueError):
+        return False
+    return len(value) == 20
 
 
 def forget() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kernelcache.contract import LABEL_ARCH
+from kernelcache.contract import LABEL_ARCH, LABEL_CACHE
 from kernelcache.controller import learning, manifests, metrics, modes, signing, state
 from kernelcache.controller.config import OperatorConfig
 from kernelcache.controller.kube import ApiError, Kube, jobs_path, kernelcache_path, path
@@ -111,6 +111,8 @@ def _reconcile_once(
     generation = meta.get("generation")
     try:
         kc = parse_kernelcache(_object(body), f"{namespace}/{name}")
+        if (why := manifests.mount_conflict(kc, config)) is not None:  # admitted unchecked
+            raise SpecError(f"{namespace}/{name}: spec.modelVolume.mountPath: {why}")
     except SpecError as exc:
         invalid = state.invalid_status(previous, exc.message, generation, now)
         return _write(kube, body, previous, invalid, "invalid", events, [])
@@ -230,7 +232,9 @@ def _prefetch(
     for name in existing:  # a class removed, or an arch that serves nothing now
         kube.delete(f"{collection}/{name}")
     pods = kube.list(path("v1", "pods", namespace), manifests.selector(uid, modes.PREFETCH))
-    return modes.node_states(pods, digests)
+    # Serving pods say when they found a node's copy damaged and started from the source.
+    users = kube.list(path("v1", "pods", namespace), f"{LABEL_CACHE}={kc.metadata.name}")
+    return modes.node_states(pods, digests, users)
 
 
 def _recorded(kube: Kube, kc: KernelCache) -> dict[str, dict[str, Any]]:
