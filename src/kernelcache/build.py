@@ -36,6 +36,7 @@ from kernelcache.errors import (
     ExitCode,
     SignatureError,
     StorageError,
+    and_more,
     ended_by_interrupt,
     one_line,
 )
@@ -342,7 +343,7 @@ def plan_arch(
             result.changed = [{"factor": d.name, "current": d.left, "new": d.right} for d in diffs]
             sides = (stamps.generation_side(current.generation), "this build")
             shown = "; ".join(d.describe(sides) for d in diffs[:3])
-            more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+            more = and_more([d.name for d in diffs[3:]])
             result.message = f"the stamp differs: {shown}{more}"
     result.seconds = round(time.perf_counter() - start, 3)
     return result

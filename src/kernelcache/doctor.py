@@ -24,7 +24,7 @@ from typing import Any
 
 from kernelcache import contract
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
+from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError, and_more
 from kernelcache.toolchains import cache_env, toolchains
 from kernelcache.toolchains.base import Toolchain
 
@@ -253,9 +253,7 @@ def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
     if not diffs:
         report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")
         return
-    named = "; ".join(d.describe() for d in diffs[:3]) + (
-        f" (+{len(diffs) - 3} more)" if diffs[3:] else ""
-    )
+    named = "; ".join(d.describe() for d in diffs[:3]) + and_more([d.name for d in diffs[3:]])
     report.add(
         "stamp",
         "fail",

@@ -31,7 +31,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from kernelcache.arch import arch_problem
 from kernelcache.documents import check_depth, depth_guard
-from kernelcache.errors import SpecError
+from kernelcache.errors import SpecError, and_more
 
 GROUP = "kernelcache.dev"
 VERSION = "v1alpha1"
@@ -1123,11 +1123,19 @@ def parse_kernelcache(obj: Any, source: str) -> KernelCache:
         return KernelCache.model_validate(obj, by_alias=True, by_name=False)
     except ValidationError as exc:
         errors = exc.errors()
-        path, what = _describe(_first_error(errors))
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        first = _first_error(errors)
+        path, what = _describe(first)
+        others = [_describe(e) for e in errors if e is not first]
+        more = and_more([p or w for p, w in others])
         where = f"{path}: " if path else ""
+        details = [
+            f"{source}: {p}: {w}" if p else f"{source}: {w}" for p, w in [(path, what), *others]
+        ]
         raise SpecError(
-            _one_line(f"{source}: {where}{what}{more}"), path=source, field=path or None
+            _one_line(f"{source}: {where}{what}{more}"),
+            path=source,
+            field=path or None,
+            details=details,
         ) from None
 
 

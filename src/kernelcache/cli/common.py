@@ -66,6 +66,20 @@ def existing_store(root: Path) -> Any:
     return store
 
 
+def listed_store(root: Path) -> Any:
+    """The store at ``root`` for a command that lists its keys (``inspect``, ``gc``): one
+    with none is an empty directory, most often a wrong path (the volume's mount point
+    before it is mounted, a typo's sibling), never an empty table and success."""
+    store = existing_store(root)
+    if not store.keys():
+        raise MissingGenerationError(
+            f"{store.root}: not a store: no generation published in it (an empty directory; "
+            "build, warm or pull publishes one)",
+            path=str(store.root),
+        )
+    return store
+
+
 def published_key(store: Any, key: str) -> str:
     """``key``, refused when the store has no generation of it (and left uncreated)."""
     if not store.key_dir(key).is_dir():

@@ -14,7 +14,8 @@ from kernelcache.errors import ExitCode, MissingGenerationError, NoGpuInfoError,
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Name the factors that differ between two stamps (exit 4 when any differ).
+    """Name the factors that differ between two stamps (exit 4 when any differ, or against
+    env when a CuTe-DSL kernel read what is absent or changed here).
 
     Each side is a generation (a MANIFEST.json, a generation dir, or with --store a key or
     a generation id) or ``env``: this environment's stamp, recomputed against the other side.
@@ -34,33 +35,49 @@ def cmd_explain(args: argparse.Namespace) -> int:
         generations["env"] = (stamps.environment_stamp(recorded), stamps.ENVIRONMENT_SIDE)
     (left, left_side), (right, right_side) = generations[args.left], generations[args.right]
     diffs = stamps.explain(left, right)
+    # Against this environment the stamp is not all: a CuTe-DSL kernel is keyed by its IR, and
+    # its module may not import here at all. A stamp hit with such kernels is no hit.
+    env_ref = (args.right if args.left == "env" else args.left) if "env" in generations else None
+    kernels = _explain_cute(env_ref, args.store) if env_ref is not None else {}
+    hit = not diffs and not kernels
+    code = 0 if hit else int(ExitCode.STAMP_MISMATCH)
     if args.json:
         output.print_json(
             {
-                "hit": not diffs,
+                "hit": hit,
                 "left": left.digest,
                 "right": right.digest,
                 "differences": [
                     {"factor": d.name, "left": d.left, "right": d.right} for d in diffs
                 ],
+                "kernels": [
+                    {"toolchain": "cute-dsl", "function": f, "problem": p}
+                    for f, p in kernels.items()
+                ],
             }
         )
-        return int(ExitCode.STAMP_MISMATCH) if diffs else 0
-    if "env" not in (args.left, args.right):
+        return code
+    if env_ref is None:
         _explain_vllm(args.left, args.right, args.store)
-    else:
-        _explain_cute(args.right if args.left == "env" else args.left, args.store)
-    if not diffs:
+    for function, problem in kernels.items():
+        print(f"cute-dsl {function}: since its compile: {problem}")
+    for diff in diffs:
+        print(diff.describe((left_side, right_side)))
+    if hit:
         print(f"same stamp {left.digest}: a hit")
-    else:
-        for diff in diffs:
-            print(diff.describe((left_side, right_side)))
-    return int(ExitCode.STAMP_MISMATCH) if diffs else 0
+    elif not diffs:
+        print(
+            f"same stamp {left.digest}, but no hit here: {len(kernels)} CuTe-DSL kernel(s) "
+            "read what is absent or changed here (above); each loads only if it traces to "
+            "the IR it was compiled from"
+        )
+    return code
 
 
-def _explain_cute(ref: str, store_root: Path | None) -> None:
+def _explain_cute(ref: str, store_root: Path | None) -> dict[str, str]:
     """Which input each CuTe-DSL kernel's compile read has moved in this environment, where a
-    generation's records can tell: why a kernel's IR may differ here (it is keyed by its IR)."""
+    generation's records can tell: why a kernel's IR may differ here (it is keyed by its IR),
+    or why it cannot be traced here at all (its module is absent)."""
     from kernelcache.store import FILES_DIR
     from kernelcache.toolchains.cute_dsl import SUBDIR
 
@@ -71,15 +88,14 @@ def _explain_cute(ref: str, store_root: Path | None) -> None:
     generation = path if path.is_dir() else path.parent
     root = generation / FILES_DIR / SUBDIR
     if not root.is_dir():
-        return
+        return {}
     try:  # resolve the DSL's modules as a serving process does
         import cutlass.cute  # noqa: F401
     except ImportError:
-        return  # no DSL here: no serving process here would load these kernels either
+        return {}  # no DSL here: the stamp's own DSL factor says so
     from kernelcache.runtime.cute import moved_since
 
-    for function, problem in moved_since(root).items():
-        print(f"cute-dsl {function}: since its compile: {problem}")
+    return moved_since(root)
 
 
 def _explain_vllm(left: str, right: str, store_root: Path | None) -> None:

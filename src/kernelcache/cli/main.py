@@ -84,7 +84,11 @@ def _run(argv: list[str]) -> int:
     start = time.perf_counter()
     with _interrupts() as interrupted:
         try:
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            if not argv:  # what there is to run, rather than one line that a COMMAND is missing
+                parser.print_help(sys.stderr)
+                return int(ExitCode.USAGE)
+            args = parser.parse_args(argv)
             return int(args.func(args))
         except (Exception, KeyboardInterrupt) as exc:  # a bug too: one line, its class
             if isinstance(exc, BrokenPipeError) and output.outputs_closed():

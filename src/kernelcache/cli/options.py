@@ -55,7 +55,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> Any:
-        raise SpecError(f"{self.prog}: {one_line(message)}")
+        # main's line already begins "kernelcache: error:": name the command, not the program
+        # again ("kernelcache: error: kernelcache build: ...").
+        command = self.prog.partition(" ")[2]
+        raise SpecError(f"{command}: {one_line(message)}" if command else one_line(message))
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = sys.argv[1:] if args is None else list(args)
@@ -65,8 +68,16 @@ class Parser(argparse.ArgumentParser):
             if word.startswith("-") and not _NUMBER.match(word):
                 name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
                 if name not in self._option_string_actions:
-                    self.error(f"unknown option {name}{did_you_mean(name, self._known_options())}")
+                    self.error(f"unknown option {self._unknown(word, name)}")
         return super().parse_known_args(args, namespace)
+
+    def _unknown(self, word: str, name: str) -> str:
+        """The unknown option as typed, with the nearest known one: ``-json`` is one word
+        (no short option ``-j`` takes ``son``), most likely ``--json`` with a dash lost."""
+        if word.startswith("--") or len(word) == 2:
+            return f"{name}{did_you_mean(name, self._known_options())}"
+        word = word.split("=", 1)[0]
+        return f"{word}{did_you_mean('-' + word, self._known_options())}"
 
     def _known_options(self) -> list[str]:
         return [o for o in self._option_string_actions if o.startswith("--")]

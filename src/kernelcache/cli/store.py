@@ -23,8 +23,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     A key that cannot be read (a broken CURRENT, say) is listed with its error and hides no
     other key; the exit code is then the first such error's class.
     """
-    store = common.existing_store(args.store)
-    keys = [common.published_key(store, args.key)] if args.key else store.keys()
+    if args.key:
+        store = common.existing_store(args.store)
+        keys = [common.published_key(store, args.key)]
+    else:
+        store = common.listed_store(args.store)
+        keys = store.keys()
     rows: list[dict[str, Any]] = []
     failures: list[KernelCacheError] = []
     for key in keys:
@@ -89,7 +93,7 @@ def _print_coverage(store: Any, keys: list[str]) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove old generations: the current one stays, and the N most recently current
     besides it (the rollback targets)."""
-    store = common.existing_store(args.store)
+    store = (common.existing_store if args.key else common.listed_store)(args.store)
     verb = "would remove" if args.dry_run else "removed"
     keys = []
     for key in [common.published_key(store, args.key)] if args.key else store.keys():

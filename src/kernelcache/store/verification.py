@@ -28,6 +28,7 @@ from kernelcache.errors import (
     SignatureError,
     StorageError,
     UnsafePathError,
+    and_more,
 )
 from kernelcache.store.digests import FileEntry, digest_one, generation_id
 from kernelcache.store.fs import link_target, one_line, parallel, read_regular, storage_error, walk
@@ -85,11 +86,11 @@ class VerifyResult:
     def raise_for_problems(self) -> None:
         if not self.problems:
             return
-        first = self.problems[0]
-        message = first.message
-        if len(self.problems) > 1:
-            message += f" (and {len(self.problems) - 1} more)"
-        raise _ERROR_CLASSES.get(first.code, KernelCacheError)(message, path=first.path)
+        first, *others = self.problems
+        message = first.message + and_more([p.path or p.message for p in others])
+        raise _ERROR_CLASSES.get(first.code, KernelCacheError)(
+            message, path=first.path, details=[p.message for p in self.problems]
+        )
 
 
 def verified(gen_dir: Path, **options: Any) -> tuple[VerifyResult, Manifest]:
