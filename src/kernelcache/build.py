@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from kernelcache.errors import (
 )
 from kernelcache.spec import KernelCache, LearnedKey
 from kernelcache.store import FILES_DIR, Manifest, Store, fingerprint
-from kernelcache.toolchains import is_tuning_file, make_warmers
+from kernelcache.toolchains import check_installed, is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
 
 
@@ -102,8 +102,13 @@ class ArchResult:
         manifest: Manifest,
         seconds: float,
         signed_by: str | None = None,
+        report: Mapping[str, Any] | None = None,
     ) -> ArchResult:
-        warmers = manifest.report.get("warmers", []) if status is Status.PUBLISHED else []
+        """``report``: this warm's own; a forced rebuild that compiled the same bytes
+        publishes the generation already there, whose manifest keeps the first build's."""
+        if report is None:
+            report = manifest.report
+        warmers = report.get("warmers", []) if status is Status.PUBLISHED else []
         return cls(
             arch=arch,
             status=status,
@@ -224,9 +229,9 @@ def warm_arch(
     def waiting(holder: str) -> None:
         progress.note(f"{key}: waiting for the writer lock ({holder})")
 
-    def done(status: Status, manifest: Manifest) -> ArchResult:
+    def done(status: Status, manifest: Manifest, report: Any = None) -> ArchResult:
         return ArchResult.from_manifest(
-            arch, status, manifest, time.perf_counter() - start, signed_by=signer
+            arch, status, manifest, time.perf_counter() - start, signed_by=signer, report=report
         )
 
     def serves(generation: Path) -> bool:
@@ -270,7 +275,7 @@ def warm_arch(
         manifest = writer.publish(
             files_dir, stamp.to_dict(), report, signing_key=signing_key, keep=keep
         )
-    return done(Status.PUBLISHED, manifest)
+    return done(Status.PUBLISHED, manifest, report)
 
 
 def _arch_stamp(
@@ -280,6 +285,8 @@ def _arch_stamp(
     stamp a warm would publish under (the key: computed before anything compiles)."""
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     configs = kc.spec.warmers_for(arch)
+    positions = [kc.spec.warmers.index(c) for c in configs]
+    check_installed(configs, cache_key(kc, arch), import_them=True, positions=positions)
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))

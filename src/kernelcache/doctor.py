@@ -169,7 +169,7 @@ def _check_toolchains(
             continue
         detail = f"{dist} is not installed" if version is None else f"import {module}: {error}"
         status = "fail" if required else "warn"
-        report.add(f"toolchain/{toolchain}", status, detail, ExitCode.WARM_FAILED)
+        report.add(f"toolchain/{toolchain}", status, detail, ExitCode.NOT_INSTALLED)
 
 
 def _import(modules: list[str]) -> dict[str, str | None]:

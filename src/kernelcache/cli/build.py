@@ -16,6 +16,7 @@ from kernelcache import contract, learned, output
 from kernelcache.cli import common, options
 from kernelcache.errors import KernelCacheError, SpecError, one_line
 from kernelcache.spec import ARCH
+from kernelcache.toolchains import check_installed
 
 
 def _learned_path(path: Path | None) -> Path | None:
@@ -49,6 +50,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     kc = common.load_spec(args.file)
     arches = common.arches(kc, args.arch)
+    check_installed(kc.spec.warmers, str(args.file), import_them=False)
     common.check_key_file(args.signing_key, "--signing-key")
     view = output.BuildView(kc, dry_run=args.dry_run)
     try:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kernelcache",
         description="Compile GPU kernels ahead of time, store them stamped, verify before serving.",
         epilog=_exit_codes_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=options.HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kernelcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

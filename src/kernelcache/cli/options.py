@@ -4,9 +4,11 @@ with the nearest option), argument types, and the options several commands take 
 from __future__ import annotations
 
 import argparse
+import decimal
 import difflib
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,36 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
+
+
+_BYTES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_BYTES.update({f"{p}i": 2 ** (10 * n) for n, p in enumerate("KMGTPE", start=1)})
+_QUANTITY = re.compile(r"(?P<number>\+?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?)(?P<suffix>[A-Za-z]*)")
+
+
+def byte_quantity(text: str) -> int:
+    """A size in bytes, as a Kubernetes quantity (``10Gi``, ``500M``, ``1.5Ti``, ``1e9``)
+    or a plain number: what the chart's values and a PVC's size are written as. A fraction
+    of a byte is rounded up, as the API server rounds a quantity."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None or match["suffix"] not in _BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: a number of bytes or a quantity such as 10Gi or 500M "
+            "(suffixes Ki Mi Gi Ti Pi Ei, k M G T P E)"
+        )
+    value = decimal.Decimal(match["number"]) * _BYTES[match["suffix"]]
+    return int(value.to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's, but an option's help never breaks inside a word: textwrap's default
+    splits at hyphens, so ``--plain-http`` or ``/dev/termination-log`` read as two words
+    (``/dev/termination-`` then ``log``) on a narrow terminal. Descriptions (docstrings)
+    keep their own lines."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 class Parser(argparse.ArgumentParser):
@@ -110,7 +142,7 @@ def add_command(
         help=help_text,
         description=output.plain_help(func.__doc__),
         epilog="exit codes: see kernelcache --help",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.set_defaults(func=func, failed=failed)
     return p

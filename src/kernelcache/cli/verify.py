@@ -220,7 +220,11 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--store", type=options.path, help="copy from this store (else pull --want)")
     p.add_argument(
-        "--limit", type=options.non_negative, required=True, metavar="BYTES", help="disk use bound"
+        "--limit",
+        type=options.byte_quantity,
+        required=True,
+        metavar="SIZE",
+        help="disk use bound: bytes, or a quantity such as 50Gi",
     )
     options.registry_args(p)
     p.add_argument(
