@@ -464,6 +464,9 @@ NOT_HERE = {
     "helm history": "needs an installed release",
     "kernelcache push": "needs a registry (tests/test_oci.py runs it against a real one)",
     "kernelcache pull": "needs a registry (tests/test_oci.py runs it against a real one)",
+    # concepts.md's explain examples: both arches built by make demo, and a failing import
+    "kernelcache explain default/demo/sm_90a default/demo/sm_120a": "needs make demo's sm_120a",
+    "kernelcache explain default/demo/sm_90a env": "needs the kernels' module not to import",
 }
 # helm commands that change a cluster are run as ``helm template`` with the same chart and
 # values (what they would apply); these flags only mean something to an installed release.
