@@ -135,9 +135,12 @@ def test_a_quickstart_block_applies_as_printed(
             words = shlex.split(command)
             if words[0] == "helm":
                 args = [w for w in words[2:] if w not in RELEASE_FLAGS]
-                rendered = run(HELM, "template", *args, cwd=tmp_path if "-f" in args else REPO)
-                namespace = args[args.index("-n") + 1]
-                kubectl(tmp_path, "create", "namespace", namespace)
+                # A values file the page shows whole was written beside the test's files.
+                args = [
+                    str(tmp_path / a) if p == "-f" else a
+                    for p, a in zip(["", *args[:-1]], args, strict=True)
+                ]
+                rendered = run(HELM, "template", *args)
                 kinds = {d["kind"] for d in yaml.safe_load_all(rendered) if d}
                 # Without the Prometheus Operator's CRDs these would fail the whole install.
                 assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}, command
