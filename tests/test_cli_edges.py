@@ -252,7 +252,7 @@ def test_an_empty_directory_as_the_store_is_not_a_store(tmp_path, command, as_js
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = run_kernelcache(command, "--store", str(empty), *(["--json"] if as_json else []))
-    assert proc.returncode == ExitCode.MISSING_GENERATION, proc.stdout
+    assert proc.returncode == ExitCode.IO, proc.stdout
     assert f"{empty}: not a store: no generation published in it" in one_line_error(proc)
     if as_json:
         assert checked(command, proc.stdout)["error"]["path"] == str(empty)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kernelcache.errors import MissingGenerationError, SignatureError, SpecError
+from kernelcache.errors import MissingGenerationError, SignatureError, SpecError, StorageError
 
 
 def load_spec(path: Path) -> Any:
@@ -67,12 +67,13 @@ def existing_store(root: Path) -> Any:
 
 
 def listed_store(root: Path) -> Any:
-    """The store at ``root`` for a command that lists its keys (``inspect``, ``gc``): one
-    with none is an empty directory, most often a wrong path (the volume's mount point
-    before it is mounted, a typo's sibling), never an empty table and success."""
+    """The store at ``root`` for a command that lists its keys (``inspect``, ``gc``): a
+    directory without a single key's path is most often a wrong one (the volume's mount
+    point before it is mounted, a typo's sibling), never an empty table and success. A key's
+    directory without a generation yet (its first build runs) is a store, listed empty."""
     store = existing_store(root)
-    if not store.keys():
-        raise MissingGenerationError(
+    if not store.keys() and not any(p.is_dir() for p in store.root.glob("*/*/sm_[0-9]*")):
+        raise StorageError(  # as a directory of other things is: I/O, naming the path
             f"{store.root}: not a store: no generation published in it (an empty directory; "
             "build, warm or pull publishes one)",
             path=str(store.root),
