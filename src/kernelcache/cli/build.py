@@ -167,9 +167,7 @@ def _push(args: argparse.Namespace, kc: Any, arch: str, generation: str | None) 
         key,
         args.push,
         generation=generation,
-        auth=args.authfile,
-        ca_file=args.ca_file,
-        plain_http=args.plain_http,
+        **options.registry_access(args),
         signing_key=common.signing_key(args.signing_key),
     )
     return pushed.ref_digest

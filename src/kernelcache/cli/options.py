@@ -167,6 +167,11 @@ def registry_args(p: Any) -> None:
     )
 
 
+def registry_access(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``registry_args`` parsed, as the distribution functions take it."""
+    return {"auth": args.authfile, "ca_file": args.ca_file, "plain_http": args.plain_http}
+
+
 def json_arg(p: Any, schema: str) -> None:
     p.add_argument(
         "--json", action="store_true", help=f"print JSON (schema: docs/cli-schemas/{schema})"

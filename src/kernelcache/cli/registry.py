@@ -25,9 +25,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         args.key,
         args.ref,
         generation=args.generation,
-        auth=args.authfile,
-        ca_file=args.ca_file,
-        plain_http=args.plain_http,
+        **options.registry_access(args),
         signing_key=args.signing_key,
         gzip=args.gzip,
     )
@@ -49,9 +47,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         args.ref,
         args.store,
         key=args.key,
-        auth=args.authfile,
-        ca_file=args.ca_file,
-        plain_http=args.plain_http,
+        **options.registry_access(args),
         public_key=args.public_key,
         require_signature=args.require_signature,
     )

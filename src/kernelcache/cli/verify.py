@@ -96,9 +96,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             limit_bytes=args.limit,
             store=args.store,
             ref=None if args.store is not None else args.want,
-            auth=args.authfile,
-            ca_file=args.ca_file,
-            plain_http=args.plain_http,
+            **options.registry_access(args),
             public_key=args.public_key,
             require_signature=args.require_signature,
         )
