@@ -328,6 +328,23 @@ def test_a_warmer_whose_toolchain_is_not_installed_is_exit_13_before_any_warmer_
     assert not (tmp_path / "s").exists() or Store(tmp_path / "s").keys() == []
 
 
+def test_a_dry_run_imports_each_toolchain_and_names_a_broken_install(tmp_path):
+    """Installed but failing at import: only a dry run, which runs no warmer, would not
+    meet it; it names the package and the import's words, exit 13."""
+    broken = tmp_path / "site" / "triton"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libtriton.so: cannot open it')\n")
+    spec = spec_with(tmp_path, {"type": "triton", "entryPoints": ["triton_kernels:warm"]})
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{subprocess_env()['PYTHONPATH']}"}
+    for args in (["warm", "--arch", "sm_90a"], ["build"]):
+        proc = run_kernelcache(*args, "--dry-run", "-f", str(spec), "--store", "s", **env)
+        assert proc.returncode == ExitCode.NOT_INSTALLED, proc.stderr
+        line = proc.stderr.strip().splitlines()[-1]  # build's progress lines come first
+        assert line.startswith("kernelcache: error: ") and "Traceback" not in proc.stderr
+        assert "spec.warmers[0] (triton): triton is installed but import triton fails" in line
+        assert "libtriton.so: cannot open it" in line
+
+
 def test_a_forced_rebuild_reports_its_own_seconds_not_the_first_builds(tmp_path):
     """The forced warm compiles the same bytes: the generation is the one already there,
     whose manifest holds the first build's report (a 5 s warm-up); the second took none."""

@@ -279,14 +279,25 @@ def warm_arch(
 
 
 def _arch_stamp(
-    kc: KernelCache, spec_dir: Path | None, arch: str, learned_keys: Sequence[LearnedKey] = ()
+    kc: KernelCache,
+    spec_dir: Path | None,
+    arch: str,
+    learned_keys: Sequence[LearnedKey] = (),
+    *,
+    import_toolchains: bool = False,
 ) -> tuple[list[Any], list[Any], str | None, stamps.Stamp]:
     """The arch's warmer configs, its warmers, the GPU product its tuning is for, and the
-    stamp a warm would publish under (the key: computed before anything compiles)."""
+    stamp a warm would publish under (the key: computed before anything compiles).
+
+    Each warmer's package is checked first: found (a warm, whose warmers import it at once:
+    an engine's import is seconds the warm would pay twice), or with ``import_toolchains``
+    imported (a dry run, which runs no warmer to find a broken install)."""
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     configs = kc.spec.warmers_for(arch)
     positions = [kc.spec.warmers.index(c) for c in configs]
-    check_installed(configs, cache_key(kc, arch), import_them=True, positions=positions)
+    check_installed(
+        configs, cache_key(kc, arch), import_them=import_toolchains, positions=positions
+    )
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     product = tuning_product(kc, arch, stamps.detect_gpu_product(arch))
@@ -319,7 +330,7 @@ def plan_arch(
     the factors that differ from the current generation's stamp. A signature is checked by
     the warm itself, not here."""
     start = time.perf_counter()
-    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys)
+    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys, import_toolchains=True)
     key = cache_key(kc, arch)
     current = store.current_manifest(key)
     result = ArchResult(arch=arch, status=Status.WOULD_COMPILE, stamp=stamp.digest)
