@@ -112,7 +112,7 @@ class Client:
             # urllib3's reason: after its retries a timeout reaches requests as MaxRetryError.
             reason = getattr(exc.args[0] if exc.args else None, "reason", exc)
             if isinstance(exc, requests.exceptions.JSONDecodeError):
-                why = f"answered what is not JSON ({_reason(exc)}): {NOT_A_REGISTRY}"
+                why = f"answered what is not JSON ({one_line(exc)[:120]}): {NOT_A_REGISTRY}"
             elif isinstance(reason, urllib3.exceptions.NewConnectionError):
                 # A subclass of ConnectTimeoutError in urllib3, but nothing waited here.
                 why = f"no connection: {_reason(exc)}, {spent}"
@@ -149,8 +149,10 @@ class Client:
             ping = self._registry.session.get(
                 f"{self._scheme}://{self.ref.registry}/v2/", verify=self._verify
             )
-        self._authenticated = True
+        # Checked before it counts as done: a push uploads layers from several threads, and
+        # one that found the flag set would upload to a server that is no registry.
         _check_is_registry(ping, f"{self.ref.registry}: GET /v2/")
+        self._authenticated = True
         challenge = ping.headers.get("Www-Authenticate", "")
         basic = challenge.lower().startswith("basic")
         if basic:
