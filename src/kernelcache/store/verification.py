@@ -87,10 +87,18 @@ class VerifyResult:
         if not self.problems:
             return
         first, *others = self.problems
-        message = first.message + and_more([p.path or p.message for p in others])
+        message = first.message + and_more([_within(p.path) or p.message for p in others])
         raise _ERROR_CLASSES.get(first.code, KernelCacheError)(
             message, path=first.path, details=[p.message for p in self.problems]
         )
+
+
+def _within(path: str | None) -> str | None:
+    """A problem's path as the generation names it (``files/...``), for a line that already
+    named the generation with its first problem."""
+    if path is None or f"/{FILES_DIR}/" not in path:
+        return path
+    return f"{FILES_DIR}/" + path.split(f"/{FILES_DIR}/", 1)[1]
 
 
 def verified(gen_dir: Path, **options: Any) -> tuple[VerifyResult, Manifest]:
