@@ -530,3 +530,16 @@ def test_no_grafana_dashboard_unless_asked() -> None:
     assert "kc-kernelcache-dashboard" not in names
     done = render_text("defaults", json.dumps({"prometheus": {"grafanadashboard": {"on": True}}}))
     assert done.returncode != 0 and "additional properties 'on' not allowed" in done.stderr
+
+
+def test_the_notes_name_the_monitors_left_out_for_want_of_their_crds() -> None:
+    """helm install on a cluster without the Prometheus Operator (a client dry run serves
+    the built-in APIs only): the monitors asked for are left out, and the notes say so."""
+    args = ["--set", "prometheus.servicemonitor.enabled=true",
+            "--set", "prometheus.prometheusrule.enabled=true"]  # fmt: skip
+    done = helm("install", "kernelcache", str(CHART), "--namespace", NAMESPACE,
+                "--dry-run=client", *args)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    notes = " ".join(done.stdout.split("NOTES:\n", 1)[1].split())
+    assert "Not installed: prometheus.servicemonitor, prometheus.prometheusrule" in notes
+    assert "kind: ServiceMonitor" not in done.stdout
