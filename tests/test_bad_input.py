@@ -543,10 +543,17 @@ def test_a_directory_that_is_not_a_store_is_refused_not_read_as_an_empty_one(tmp
     assert f"{tmp_path}: not a store" in line and "README.md, src" in line
 
 
-def test_an_empty_directory_or_a_store_before_its_first_publish_is_a_store(tmp_path):
+def test_an_empty_directory_is_no_store_to_list_but_one_before_its_first_publish_is(tmp_path):
+    """An empty directory listed as a store is most often the wrong path: not an empty
+    table and exit 0. A key's directory whose first build is still running is a store."""
     fresh = tmp_path / "fresh"
     (fresh / "lost+found").mkdir(parents=True)  # a new volume's
-    assert run_kernelcache("inspect", "--store", str(fresh), "--json").stdout.strip() == "[]"
+    proc = run_kernelcache("inspect", "--store", str(fresh), "--json")
+    assert proc.returncode == ExitCode.IO
+    assert json.loads(proc.stdout)["error"]["message"].endswith(
+        f"{fresh}: not a store: no generation published in it (an empty directory; build, "
+        "warm or pull publishes one)"
+    )
     writing = tmp_path / "writing"
     (writing / "default" / "kc" / "sm_90a").mkdir(parents=True)
     (writing / "default" / "kc" / "sm_90a" / ".lock").write_text("")  # its first build runs

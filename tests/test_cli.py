@@ -523,13 +523,13 @@ def test_a_reader_that_stops_reading_ends_any_command_quietly_with_141(stores, a
 
 def test_a_broken_pipe_that_is_not_the_output_is_still_a_failure(monkeypatch, capsys):
     """Only a closed stdout or stderr is quiet: a child's pipe breaking is a bug to report."""
-    from kernelcache import cli
+    from kernelcache.cli import keygen, main
 
     def breaks(args):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli, "cmd_keygen", breaks)
-    assert cli.main(["keygen", "somewhere"]) == ExitCode.FAILURE
+    monkeypatch.setattr(keygen, "cmd_keygen", breaks)
+    assert main(["keygen", "somewhere"]) == ExitCode.FAILURE
     assert "internal error: BrokenPipeError" in capsys.readouterr().err
 
 

@@ -401,7 +401,7 @@ def flashinfer_module_missing(tmp: Path) -> str:
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
-    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); none of the … generations kept besides CURRENT (…) was built for it either …": image_not_published,  # noqa: E501
+    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); CURRENT is …, … (a new image's generation is published when its compile Job ends; the kubelet retries this pod)": image_not_published,  # noqa: E501
     "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
     "command warmer: sh exited with 1 for sm_90a: no space left on device (its output: dd: error writing '…': No space left on device)": volume_full,  # noqa: E501
     "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,
@@ -464,6 +464,9 @@ NOT_HERE = {
     "helm history": "needs an installed release",
     "kernelcache push": "needs a registry (tests/test_oci.py runs it against a real one)",
     "kernelcache pull": "needs a registry (tests/test_oci.py runs it against a real one)",
+    # concepts.md's explain examples: both arches built by make demo, and a failing import
+    "kernelcache explain default/demo/sm_90a default/demo/sm_120a": "needs make demo's sm_120a",
+    "kernelcache explain default/demo/sm_90a env": "needs the kernels' module not to import",
 }
 # helm commands that change a cluster are run as ``helm template`` with the same chart and
 # values (what they would apply); these flags only mean something to an installed release.

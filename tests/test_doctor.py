@@ -117,7 +117,7 @@ def test_doctor_names_what_is_broken(generation, tmp_path):
     proc = run_kernelcache("doctor", str(generation), "--arch", "sm_120a", "--json", **env)
     payload = checked("doctor", proc.stdout)
     checks = rows(payload)
-    assert proc.returncode == ExitCode.WARM_FAILED == payload["exit_code"]  # the first failure
+    assert proc.returncode == ExitCode.NOT_INSTALLED == payload["exit_code"]  # the first failure
     assert checks["toolchain/cute-dsl"]["status"] == "fail"
     assert "libcuda.so.1: cannot open shared object file" in checks["toolchain/cute-dsl"]["detail"]
     assert checks["cache/TRITON_CACHE_DIR"]["status"] == "warn"
@@ -130,7 +130,7 @@ def test_doctor_names_what_is_broken(generation, tmp_path):
     assert differing["arch"] == {"factor": "arch", "generation": "sm_90a", "here": "sm_120a"}
 
     table = run_kernelcache("doctor", str(generation), "--arch", "sm_120a", **env)
-    assert table.returncode == ExitCode.WARM_FAILED
+    assert table.returncode == ExitCode.NOT_INSTALLED
     assert "would miss: arch: sm_90a != sm_120a" in table.stdout
 
 

@@ -602,7 +602,7 @@ def test_a_pod_on_the_previous_image_loads_the_kept_generation_built_for_it(pod:
         ExitCode.STAMP_MISMATCH,
         "extra/engine_image",
         other,
-        f"none of the 1 generations kept besides CURRENT ({new.name})",
+        f"CURRENT is {new.name}, the one generation kept besides it was not built for it either",
     )
 
 

@@ -195,7 +195,7 @@ def test_a_cold_compile_fires_the_alert_and_a_warm_process_does_not(scraped):
         "demo_kernels:scale_tiled",
     }
     assert {a["labels"]["severity"] for a in firing} == {"warning"}
-    assert firing[0]["annotations"]["runbook_url"].endswith("#kernelcachecoldcompile")
+    assert firing[0]["annotations"]["runbook"] == "docs/operations.md#kernelcachecoldcompile"
 
     # The warm process was scraped and the rules evaluated since: no alert names it.
     def warm_hits() -> list[dict]:

@@ -276,7 +276,9 @@ def test_several_errors_report_the_first_and_a_count():
         parse_kernelcache(obj, "live/demo")
     message = info.value.message
     assert message.startswith("live/demo: spec.engine: required field is missing")
-    assert message.endswith("(and 2 more)")
+    # The others named: a reader fixes all three without running it three times.
+    assert message.endswith("(and 2 more: spec.gpuClasses[0].arch, spec.gpuClasses[1].arch)")
+    assert len(info.value.details) == 3
 
 
 BAD_FILES = {

@@ -701,9 +701,12 @@ def test_raise_for_problems_counts_the_rest(store: Store) -> None:
         (gen_dir / "files" / rel).unlink()
     result = verify(gen_dir)
     assert not result.ok
-    with pytest.raises(IntegrityError, match=r": missing \(and 2 more\)$") as err:
+    # The others named as the generation names them; each in full among the details.
+    others = r"files/triton/abc/kernel\.cubin, files/triton/abc/kernel\.json"
+    with pytest.raises(IntegrityError, match=rf": missing \(and 2 more: {others}\)$") as err:
         result.raise_for_problems()
     assert err.value.code == ExitCode.INTEGRITY
+    assert len(err.value.details) == 3 and all(": missing" in d for d in err.value.details)
 
 
 def test_digest_tree_and_file(tmp_path: Path) -> None:

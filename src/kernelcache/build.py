@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,13 @@ from kernelcache.errors import (
     ExitCode,
     SignatureError,
     StorageError,
+    and_more,
     ended_by_interrupt,
     one_line,
 )
 from kernelcache.spec import KernelCache, LearnedKey
 from kernelcache.store import FILES_DIR, Manifest, Store, fingerprint
-from kernelcache.toolchains import is_tuning_file, make_warmers
+from kernelcache.toolchains import check_installed, is_tuning_file, make_warmers
 from kernelcache.toolchains.base import run_warmers
 
 
@@ -104,8 +105,13 @@ class ArchResult:
         manifest: Manifest,
         seconds: float,
         signed_by: str | None = None,
+        report: Mapping[str, Any] | None = None,
     ) -> ArchResult:
-        warmers = manifest.report.get("warmers", []) if status is Status.PUBLISHED else []
+        """``report``: this warm's own; a forced rebuild that compiled the same bytes
+        publishes the generation already there, whose manifest keeps the first build's."""
+        if report is None:
+            report = manifest.report
+        warmers = report.get("warmers", []) if status is Status.PUBLISHED else []
         return cls(
             arch=arch,
             status=status,
@@ -239,9 +245,9 @@ def warm_arch(
     def waiting(holder: str) -> None:
         progress.note(f"{key}: waiting for the writer lock ({holder})")
 
-    def done(status: Status, manifest: Manifest) -> ArchResult:
+    def done(status: Status, manifest: Manifest, report: Any = None) -> ArchResult:
         return ArchResult.from_manifest(
-            arch, status, manifest, time.perf_counter() - start, signed_by=signer
+            arch, status, manifest, time.perf_counter() - start, signed_by=signer, report=report
         )
 
     def serves(generation: Path) -> bool:
@@ -286,7 +292,7 @@ def warm_arch(
         manifest = writer.publish(
             files_dir, stamp.to_dict(), report, signing_key=signing_key, keep=keep
         )
-    return done(Status.PUBLISHED, manifest)
+    return done(Status.PUBLISHED, manifest, report)
 
 
 def would_refuse(warmers: Sequence[Any], generation: Path, arch: str) -> str | None:
@@ -301,12 +307,25 @@ def would_refuse(warmers: Sequence[Any], generation: Path, arch: str) -> str | N
 
 
 def _arch_stamp(
-    kc: KernelCache, spec_dir: Path | None, arch: str, learned_keys: Sequence[LearnedKey] = ()
+    kc: KernelCache,
+    spec_dir: Path | None,
+    arch: str,
+    learned_keys: Sequence[LearnedKey] = (),
+    *,
+    import_toolchains: bool = False,
 ) -> tuple[list[Any], list[Any], str | None, stamps.Stamp]:
     """The arch's warmer configs, its warmers, the GPU product its tuning is for, and the
-    stamp a warm would publish under (the key: computed before anything compiles)."""
+    stamp a warm would publish under (the key: computed before anything compiles).
+
+    Each warmer's package is checked first: found (a warm, whose warmers import it at once:
+    an engine's import is seconds the warm would pay twice), or with ``import_toolchains``
+    imported (a dry run, which runs no warmer to find a broken install)."""
     os.environ["CUTE_DSL_ARCH"] = arch  # before any warmer imports the DSL
     configs = kc.spec.warmers_for(arch)
+    positions = [kc.spec.warmers.index(c) for c in configs]
+    check_installed(
+        configs, cache_key(kc, arch), import_them=import_toolchains, positions=positions
+    )
     warmers = make_warmers(configs, spec_dir, kc.spec.gpu_classes, learned_keys)
     sources = {name: digest for w in warmers for name, digest in w.sources().items()}
     product = tuning_product(kc, arch, measure.detect_gpu_product(arch))
@@ -339,7 +358,7 @@ def plan_arch(
     the factors that differ from the current generation's stamp. A signature is checked by
     the warm itself, not here."""
     start = time.perf_counter()
-    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys)
+    _, warmers, _, stamp = _arch_stamp(kc, spec_dir, arch, learned_keys, import_toolchains=True)
     key = cache_key(kc, arch)
     current = store.current_manifest(key)
     result = ArchResult(arch=arch, status=Status.WOULD_COMPILE, stamp=stamp.digest)
@@ -381,7 +400,7 @@ def plan_arch(
             result.changed = [{"factor": d.name, "current": d.left, "new": d.right} for d in diffs]
             sides = (stamps.generation_side(current.generation), "this build")
             shown = "; ".join(d.describe(sides) for d in diffs[:3])
-            more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+            more = and_more([d.name for d in diffs[3:]])
             result.message = f"the stamp differs: {shown}{more}"
     result.seconds = round(time.perf_counter() - start, 3)
     return result

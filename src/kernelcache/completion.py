@@ -42,7 +42,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _takes_path(action: argparse.Action) -> bool:
-    return getattr(action.type, "__name__", "") in ("Path", "_path")
+    return getattr(action.type, "__name__", "") in ("Path", "path")
 
 
 def _value_completion(action: argparse.Action) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kernelcache import contract, measure
 from kernelcache import stamp as stamps
-from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError
+from kernelcache.errors import ExitCode, KernelCacheError, NoGpuInfoError, and_more
 from kernelcache.toolchains import cache_env, toolchains
 from kernelcache.toolchains.base import Toolchain
 
@@ -169,7 +169,7 @@ def _check_toolchains(
             continue
         detail = f"{dist} is not installed" if version is None else f"import {module}: {error}"
         status = "fail" if required else "warn"
-        report.add(f"toolchain/{toolchain}", status, detail, ExitCode.WARM_FAILED)
+        report.add(f"toolchain/{toolchain}", status, detail, ExitCode.NOT_INSTALLED)
 
 
 def _import(modules: list[str]) -> dict[str, str | None]:
@@ -258,9 +258,7 @@ def _check_stamp(report: Report, manifest: Any, arch: str | None) -> None:
     if not diffs:
         report.add("stamp", "ok", f"generation {manifest.generation}: every factor matches (a hit)")
         return
-    named = "; ".join(d.describe() for d in diffs[:3]) + (
-        f" (+{len(diffs) - 3} more)" if diffs[3:] else ""
-    )
+    named = "; ".join(d.describe() for d in diffs[:3]) + and_more([d.name for d in diffs[3:]])
     report.add(
         "stamp",
         "fail",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 from enum import IntEnum
 
 
@@ -81,12 +82,16 @@ class KernelCacheError(Exception):
         path: str | None = None,
         factor: str | None = None,
         field: str | None = None,
+        details: Sequence[str] = (),
     ) -> None:
         super().__init__(message)
         self.message = message
         self.path = path
         self.factor = factor
         self.field = field
+        # Every problem found, each one line, the first (the message's) included: a line
+        # names one and counts the others, --json lists them all.
+        self.details = [one_line(d) for d in details]
 
 
 class SpecError(KernelCacheError):
@@ -137,6 +142,15 @@ class NotInstalledError(KernelCacheError):
     code = ExitCode.NOT_INSTALLED
 
 
+def and_more(others: Sequence[str], named: int = 3) -> str:
+    """What a one-line failure leaves out, named: `` (and 2 more: b, c)``; past ``named``
+    names, counted (`` (and 5 more: b, c, d, …)``); nothing when nothing is left out."""
+    if not others:
+        return ""
+    shown = ", ".join(one_line(o) for o in others[:named]) + (", …" if others[named:] else "")
+    return f" (and {len(others)} more: {shown})"
+
+
 def error_line(exc: BaseException) -> str:
     """The one line a failure is reported as, on stderr and in a termination log alike."""
     if isinstance(exc, KernelCacheError):
@@ -175,6 +189,8 @@ def error_object(exc: BaseException) -> dict[str, object]:
     if isinstance(exc, KernelCacheError):
         subject = {"path": exc.path, "factor": exc.factor, "field": exc.field}
         error.update({name: value for name, value in subject.items() if value is not None})
+        if exc.details:
+            error["details"] = list(exc.details)
     return {"ok": False, "error": error}
 
 

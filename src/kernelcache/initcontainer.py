@@ -437,11 +437,18 @@ def _from_store(root: Path, key: str, image: str | None = None) -> Path:
         except StampMismatchError:
             continue
         return path
+    if not kept:
+        others = "and no other generation is kept"
+    elif len(kept) == 1:
+        others = "the one generation kept besides it was not built for it either"
+    else:
+        others = f"none of the {len(kept)} generations kept besides it was built for it either"
     raise StampMismatchError(
-        f"{refused}; none of the {len(kept)} generations kept besides CURRENT "
-        f"({gen_dir.name}) was built for it either (a new image's generation is published when "
-        "its compile Job ends: a pod with restartPolicy Always or OnFailure retries this "
-        "init-container until then; one with Never must be created again)"
+        f"{refused}; CURRENT is {gen_dir.name}, {others} (a new image's generation is "
+        "published when its compile Job ends: a pod with restartPolicy Always or OnFailure "
+        "retries this init-container until then; one with Never must be created again)",
+        factor=refused.factor,
+        path=str(gen_dir),
     )
 
 

@@ -7,6 +7,7 @@ terminal; a build then prints one plain line per event, so CI logs stay readable
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
@@ -39,9 +40,16 @@ def console(stderr: bool = False) -> Any:
     and CI keep every column readable."""
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own ends the process with exit 1 (and no line): a reader that went away
+            # is the command's to end, quietly and with 141, as for any other write.
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else _columns() or PIPED_WIDTH
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
 
 
 def _columns() -> int | None:

@@ -35,6 +35,7 @@ from kernelcache.errors import (
     NotInstalledError,
     SpecError,
     StampMismatchError,
+    and_more,
 )
 from kernelcache.measure import (
     MEASURED_FACTORS,
@@ -353,9 +354,11 @@ def stamp_mismatch(
     """The one-line error for differing factors (the first named), or None when none differ."""
     if not diffs:
         return None
-    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    more = and_more([d.name for d in diffs[1:]])
     return StampMismatchError(
-        f"stamp mismatch: {diffs[0].describe(sides)}{more}", factor=diffs[0].name
+        f"stamp mismatch: {diffs[0].describe(sides)}{more}",
+        factor=diffs[0].name,
+        details=[d.describe(sides) for d in diffs],
     )
 
 

@@ -26,11 +26,23 @@ VALUES: dict[str, dict[str, Any]] = {
             "prometheusrule": {"enabled": True},
         }
     },
+    # The same values on a cluster without the Prometheus Operator's CRDs.
+    "prometheus-operator-absent": {
+        "prometheus": {
+            "servicemonitor": {"enabled": True},
+            "podmonitor": {"enabled": True},
+            "prometheusrule": {"enabled": True},
+        }
+    },
     "prometheus-off": {"prometheus": {"enabled": False}},
     "grafana-dashboard": {"prometheus": {"grafanadashboard": {"enabled": True}}},
     "crds-off": {"crds": {"enabled": False}},
     "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
 }
+
+# The API groups each value set's cluster serves beyond the built-in ones (helm template's
+# --api-versions, as .Capabilities reads them from a live cluster).
+API_VERSIONS: dict[str, tuple[str, ...]] = {"prometheus-operator": ("monitoring.coreos.com/v1",)}
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,6 +64,8 @@ def render_text(name: str, extra: str = "{}") -> subprocess.CompletedProcess[str
     values = {**VALUES[name], **json.loads(extra)}
     with tempfile.TemporaryDirectory() as tmp:
         args = values_args(values, Path(tmp))
+        for api in API_VERSIONS.get(name, ()):
+            args += ["--api-versions", api]
         return helm("template", "kc", str(CHART), "--namespace", NAMESPACE, *args)
 
 

@@ -29,12 +29,24 @@ kernelcache.labels: the labels on every resource; the selector labels plus versi
 manager, so `kubectl get -l app.kubernetes.io/instance=<release>` finds all of it.
 */}}
 {{- define "kernelcache.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
-{{ include "kernelcache.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{ include "kernelcache.componentLabels" (list . "operator") }}
+{{- end -}}
+
+{{/*
+kernelcache.componentLabels (list $ COMPONENT): the same labels for what belongs to another
+component than the operator: the serving pods' PodMonitor is "serving", so that
+`-l app.kubernetes.io/component=operator` selects the operator's own resources only.
+*/}}
+{{- define "kernelcache.componentLabels" -}}
+{{- $ := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $.Chart.Name $.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "kernelcache.name" $ }}
+app.kubernetes.io/instance: {{ $.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+app.kubernetes.io/version: {{ $.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $.Release.Service }}
 app.kubernetes.io/part-of: kernelcache
-{{- with .Values.commonLabels }}
+{{- with $.Values.commonLabels }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}

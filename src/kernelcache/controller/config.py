@@ -116,8 +116,11 @@ class OperatorConfig(BaseModel):
     retry_backoff_max_seconds: float = Field(default=3600.0, ge=0)
 
     # Image of the Job that deletes a KernelCache's data from an existing claim when
-    # spec.retention.deleteDataOnDelete is set (it runs `rm -rf`; no GPU, any small image).
-    cleanup_image: str = "busybox:1.37"
+    # spec.retention.deleteDataOnDelete is set, and of the store-ownership init-container (they
+    # run `rm -rf`, `sh`, `mkdir` and `chown`; no GPU). Empty: the init-container image, which
+    # has them and which the cluster pulls anyway (from wherever init_image is mirrored), so
+    # nothing comes from Docker Hub unasked.
+    cleanup_image: str = ""
 
     # How often the finalizer re-checks a running cleanup Job.
     cleanup_poll_seconds: float = Field(default=10.0, gt=0)
@@ -167,6 +170,12 @@ class OperatorConfig(BaseModel):
         if isinstance(value, str):
             return tuple(n.strip() for n in value.split(",") if n.strip())
         return value
+
+    @model_validator(mode="after")
+    def _cleanup_in_the_init_image(self) -> OperatorConfig:
+        if not self.cleanup_image:
+            object.__setattr__(self, "cleanup_image", self.init_image)  # frozen: set once here
+        return self
 
     @model_validator(mode="after")
     def _ttl_outlasts_backoff(self) -> OperatorConfig:

@@ -89,11 +89,16 @@ class Kube:
         except config.ConfigException as not_in_cluster:
             try:
                 config.load_kube_config(client_configuration=configuration)
-            except (config.ConfigException, OSError) as exc:
+            # The loader trusts the file's shape: malformed YAML raises the parser's error, a
+            # list or a number where it wants a mapping a TypeError. Any of them is this file
+            # unusable, not a bug of ours.
+            except Exception as exc:
+                ours = isinstance(exc, (config.ConfigException, OSError))
+                malformed = "" if ours else "malformed: "
                 where = os.environ.get("KUBECONFIG") or kube_config.KUBE_CONFIG_DEFAULT_LOCATION
                 raise StorageError(
                     f"no Kubernetes credentials: not in a cluster ({not_in_cluster}) and no "
-                    f"usable kubeconfig at {where} ({one_line(exc)})",
+                    f"usable kubeconfig at {where} ({malformed}{one_line(exc)})",
                     path=where,
                 ) from None
         return cls(client.ApiClient(configuration))

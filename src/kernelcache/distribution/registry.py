@@ -14,6 +14,7 @@ registry and the step.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -100,22 +101,31 @@ class Client:
         import urllib3
 
         net, host = self.network, self.ref.registry
-        tries = f"{net.tries} {'try' if net.tries == 1 else 'tries'}"
+        start = time.monotonic()
         try:
             yield
         except requests.exceptions.RequestException as exc:
+            # What happened, then how long and how often it was tried: a refused port fails
+            # each try at once, a silent one takes the whole deadline per try.
+            seconds = time.monotonic() - start
+            spent = f"{net.tries} {'try' if net.tries == 1 else 'tries'} in {seconds:.1f} s"
             # urllib3's reason: after its retries a timeout reaches requests as MaxRetryError.
             reason = getattr(exc.args[0] if exc.args else None, "reason", exc)
-            if isinstance(exc, requests.exceptions.ConnectTimeout) or isinstance(
+            if isinstance(exc, requests.exceptions.JSONDecodeError):
+                why = f"answered what is not JSON ({one_line(exc)[:120]}): {NOT_A_REGISTRY}"
+            elif isinstance(reason, urllib3.exceptions.NewConnectionError):
+                # A subclass of ConnectTimeoutError in urllib3, but nothing waited here.
+                why = f"no connection: {_reason(exc)}, {spent}"
+            elif isinstance(exc, requests.exceptions.ConnectTimeout) or isinstance(
                 reason, urllib3.exceptions.ConnectTimeoutError
             ):
-                why = f"no connection within {net.connect_s:g} s, {tries}"
+                why = f"no connection within {net.connect_s:g} s per try, {spent}"
             elif isinstance(exc, requests.exceptions.Timeout) or isinstance(
                 reason, urllib3.exceptions.ReadTimeoutError
             ):
                 why = (
                     f"no answer: no TLS handshake within {net.connect_s:g} s or no response "
-                    f"within {net.read_s:g} s, {tries}"
+                    f"within {net.read_s:g} s per try, {spent}"
                 )
             elif isinstance(exc, requests.exceptions.SSLError):
                 detail = _reason(exc)
@@ -124,7 +134,7 @@ class Client:
                     hint = "it answers plain HTTP: --plain-http, for a loopback or allowed registry"
                 why = f"TLS refused: {detail} ({hint})"
             else:
-                why = f"unreachable: {_reason(exc)}, {tries}"
+                why = f"unreachable: {_reason(exc)}, {spent}"
             raise StorageError(f"{host}: {step}: {why}") from exc
 
     def _ensure_authenticated(self) -> None:
@@ -139,6 +149,9 @@ class Client:
             ping = self._registry.session.get(
                 f"{self._scheme}://{self.ref.registry}/v2/", verify=self._verify
             )
+        # Checked before it counts as done: a push uploads layers from several threads, and
+        # one that found the flag set would upload to a server that is no registry.
+        _check_is_registry(ping, f"{self.ref.registry}: GET /v2/")
         self._authenticated = True
         challenge = ping.headers.get("Www-Authenticate", "")
         basic = challenge.lower().startswith("basic")
@@ -347,12 +360,39 @@ def _unretried_registry(oras: Any) -> type:
     return Registry
 
 
-def _reason(exc: Exception) -> str:
-    """The innermost reason of a requests failure (urllib3 wraps it several times)."""
-    reason: BaseException = exc
-    while reason.__context__ is not None and len(str(reason.__context__)) < len(str(reason)):
-        reason = reason.__context__
+def _reason(exc: BaseException) -> str:
+    """The innermost reason of a requests failure: urllib3 wraps it several times, in
+    ``reason``, in ``args`` and as the cause, and its wrappers' text is a repr of the
+    connection pool; the socket's or TLS library's own words are at the bottom."""
+    seen: set[int] = set()
+    reason = exc
+    while id(reason) not in seen:
+        seen.add(id(reason))
+        inner = [
+            getattr(reason, "reason", None),
+            reason.args[0] if reason.args else None,
+            reason.__cause__,
+            reason.__context__,
+        ]
+        found = next((e for e in inner if isinstance(e, BaseException) and id(e) not in seen), None)
+        if found is None:
+            break
+        reason = found
     return one_line(reason)[:300]
+
+
+NOT_A_REGISTRY = "not an OCI registry (the distribution API answers GET /v2/ with 200 or 401)"
+
+
+def _check_is_registry(ping: Any, what: str) -> None:
+    """A server that is not a registry, said so at the first request: a web server answers
+    ``/v2/`` with 404 or a page, and every later step would fail with a JSON parser's words
+    or "not in the registry". Only what no registry answers is refused: a 404 (the API is
+    not there) or HTML."""
+    content_type = ping.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if ping.status_code == 404 or content_type in ("text/html", "application/xhtml+xml"):
+        answered = f"HTTP {ping.status_code}" + (f" {content_type}" if content_type else "")
+        raise StorageError(f"{what}: answered {answered}: {NOT_A_REGISTRY}")
 
 
 def _error_text(response: Any) -> str:

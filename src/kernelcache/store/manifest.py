@@ -13,7 +13,7 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernelcache.documents import load_json
-from kernelcache.errors import ManifestError, UnsafePathError
+from kernelcache.errors import ManifestError, UnsafePathError, and_more
 from kernelcache.store.digests import FileEntry
 from kernelcache.store.fs import one_line, read_regular, storage_error
 from kernelcache.store.layout import GENERATION_RE, MANIFEST_NAME, key_problem, path_problem
@@ -227,9 +227,8 @@ def _validation_message(exc: ValidationError, source: str) -> str:
     value = first.get("input")
     if isinstance(value, (str, int, float)) and first["type"] != "missing":
         message += f" (got {one_line(repr(value))[:80]})"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more)"
-    return message
+    others = [".".join(str(part) for part in e["loc"]) or "(document)" for e in errors[1:]]
+    return message + and_more(others)
 
 
 def checksum_problem(manifest: Manifest) -> str | None:

@@ -28,6 +28,7 @@ from kernelcache.errors import (
     SignatureError,
     StorageError,
     UnsafePathError,
+    and_more,
 )
 from kernelcache.store.digests import FileEntry, digest_one, generation_id
 from kernelcache.store.fs import link_target, one_line, parallel, read_regular, storage_error, walk
@@ -85,11 +86,19 @@ class VerifyResult:
     def raise_for_problems(self) -> None:
         if not self.problems:
             return
-        first = self.problems[0]
-        message = first.message
-        if len(self.problems) > 1:
-            message += f" (and {len(self.problems) - 1} more)"
-        raise _ERROR_CLASSES.get(first.code, KernelCacheError)(message, path=first.path)
+        first, *others = self.problems
+        message = first.message + and_more([_within(p.path) or p.message for p in others])
+        raise _ERROR_CLASSES.get(first.code, KernelCacheError)(
+            message, path=first.path, details=[p.message for p in self.problems]
+        )
+
+
+def _within(path: str | None) -> str | None:
+    """A problem's path as the generation names it (``files/...``), for a line that already
+    named the generation with its first problem."""
+    if path is None or f"/{FILES_DIR}/" not in path:
+        return path
+    return f"{FILES_DIR}/" + path.split(f"/{FILES_DIR}/", 1)[1]
 
 
 def verified(gen_dir: Path, **options: Any) -> tuple[VerifyResult, Manifest]:

@@ -75,6 +75,44 @@ def check_warmer_env(warmers: Sequence[WarmerSpec], source: str) -> None:
                 )
 
 
+def check_installed(
+    warmers: Sequence[WarmerSpec],
+    source: str,
+    *,
+    import_them: bool,
+    positions: Sequence[int] | None = None,
+) -> None:
+    """Every package the warmers need (their toolchain's ``requires``) is here, checked
+    before any warmer runs: a missing one is a missing package (exit 13) at the start, not
+    a failed warm (exit 11) after the warmers before it compiled. ``import_them``: imported
+    (the warm process, which imports them anyway; a broken install fails here too), else
+    found without importing (a parent that runs each warm in its own process).
+    ``positions``: each warmer's index in ``spec.warmers`` (an arch's warmers are a subset)."""
+    import importlib.util
+
+    from kernelcache.errors import NotInstalledError, one_line
+
+    for i, warmer in zip(positions or range(len(warmers)), warmers, strict=True):
+        owner = next(t for t in toolchains() if any(w.type == warmer.type for w in t.warmers))
+        if owner.requires is None:
+            continue
+        dist, module = owner.requires
+        problem = None
+        if importlib.util.find_spec(module) is None:
+            problem = f"{dist} is not installed (no module {module})"
+        elif import_them:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # what an installed package raises at import is its own
+                problem = f"{dist} is installed but import {module} fails: {one_line(exc)}"
+        if problem is not None:
+            raise NotInstalledError(
+                f"{source}: spec.warmers[{i}] ({warmer.type}): {problem}",
+                path=source,
+                field=f"spec.warmers[{i}].type",
+            )
+
+
 def serving_settings() -> dict[str, str]:
     """Every toolchain's fixed serving settings (``Toolchain.serving_settings``)."""
     return {name: value for t in toolchains() for name, value in t.serving_settings.items()}
