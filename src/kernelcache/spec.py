@@ -366,6 +366,12 @@ class VllmWorkload(BaseModel):
         description="Fused-MoE configs tuned for the GPU product the compile Job runs on; "
         "kept in the generation and read by serving (VLLM_TUNED_CONFIG_FOLDER).",
     )
+    vllm_version_check: Literal["refuse", "warn"] = Field(
+        default="refuse",
+        description="A vLLM outside the range the vllm toolchain supports (docs/vllm.md): "
+        "refuse (the warm and each serving start stop, naming the version and the range) or "
+        "warn (tried anyway, with a warning; strict mode still refuses what it refuses).",
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> VllmWorkload:
@@ -870,6 +876,12 @@ class KernelCacheSpec(BaseModel):
     def vllm_cache_roots(self) -> list[str]:
         """The vllm warmers' cache roots: writable in the compile Job and the serving pod."""
         return sorted({w.vllm_workload().cache_root for w in self.warmers if w.type == "vllm"})
+
+    def vllm_version_check(self) -> str | None:
+        """``warn`` when a vllm warmer asks to try a vLLM outside the supported range, else
+        ``refuse`` (None: no vllm warmer)."""
+        checks = {w.vllm_workload().vllm_version_check for w in self.warmers if w.type == "vllm"}
+        return ("warn" if "warn" in checks else "refuse") if checks else None
 
 
 class ArchStatus(BaseModel):

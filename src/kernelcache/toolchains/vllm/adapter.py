@@ -24,12 +24,14 @@ Light at import (no vLLM, no torch): the init-container, doctor and the runtime 
 from __future__ import annotations
 
 import ast
-import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kernelcache.contract import VLLM_VERSION_CHECKS
+from kernelcache.errors import NotInstalledError
 
 # The kinds of internal.
 MODULE = "module"  # the module exists
@@ -39,9 +41,7 @@ NAME = "name"  # a module-level name (defined, imported, or declared for a lazy 
 REFERS = "refers"  # a function whose body names each of ``needs`` (the hook relies on it)
 
 # How the spec's ``vllmVersionCheck`` answers a release outside ``SUPPORTED``.
-REFUSE = "refuse"
-WARN = "warn"
-VERSION_CHECKS = (REFUSE, WARN)
+REFUSE, WARN = VLLM_VERSION_CHECKS
 
 
 @dataclass(frozen=True)
@@ -244,6 +244,22 @@ def outside(version: str) -> str | None:
     )
 
 
+def check_version(version: str | None, check: str, who: str) -> str | None:
+    """``version`` against the supported range, for ``who`` (the warm, a serving start):
+    outside it, a ``NotInstalledError`` naming the version and the range (``check``
+    ``refuse``), or the warning line (``warn``: the spec asks to try anyway). None: nothing
+    to say (inside the range, or no vLLM installed: the import says so itself)."""
+    why = outside(version) if version is not None else None
+    if why is None:
+        return None
+    if check == WARN:
+        return f"{who}: {why}; trying it anyway (vllmVersionCheck: warn)"
+    raise NotInstalledError(
+        f"{who}: {why}: install a vLLM in the range, or set vllmVersionCheck: warn in the "
+        "vllm warmer's workload to try this one"
+    )
+
+
 def installed_version() -> str | None:
     """The installed vLLM's version, from its metadata (no import); None when not installed."""
     import importlib.metadata
@@ -334,14 +350,15 @@ class _Tree:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.parsed: dict[str, ast.Module | None] = {}
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one tree per check, dropped after
     def module(self, dotted: str) -> ast.Module | None:
-        base = self.root.joinpath(*dotted.split("."))
-        for path in (base.with_suffix(".py"), base / "__init__.py"):
-            if path.is_file():
-                return ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        return None
+        if dotted not in self.parsed:
+            base = self.root.joinpath(*dotted.split("."))
+            found = [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
+            text = found[0].read_text(encoding="utf-8", errors="replace") if found else None
+            self.parsed[dotted] = ast.parse(text) if text is not None else None
+        return self.parsed[dotted]
 
     def is_package(self, dotted: str) -> bool:
         return (self.root.joinpath(*dotted.split(".")) / "__init__.py").is_file()
@@ -525,8 +542,8 @@ def _check_one(tree: _Tree, item: Internal) -> str | None:
         if not present:
             return f"none of {', '.join((item.module, *item.also))} is there"
         for module in present:
-            if (found := _check_one(tree, _one_module(item, module))) is not None:
-                return found
+            if (instead := _check_one(tree, _one_module(item, module))) is not None:
+                return instead
         return None
     if item.kind == MODULE:
         return None if tree.module(item.module) is not None else f"module {item.module} not found"
