@@ -145,6 +145,10 @@ class MoERunner:
             quant_method=UnquantizedFusedMoEMethod(),
         )
 
+    @property
+    def _quant_method(self) -> Any:
+        return self.routed_experts.quant_method
+
     def forward(self, hidden_states: Any, router_logits: Any) -> Any:
         tokens = int(hidden_states.shape[0])
         assert hidden_states.shape[1] == self.moe_config.hidden_dim
