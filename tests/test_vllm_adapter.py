@@ -233,6 +233,17 @@ def test_the_warm_tries_it_with_a_warning_when_the_spec_says_warn(tmp_path):
     assert "trying it anyway (vllmVersionCheck: warn)" in proc.stderr
 
 
+def test_a_whole_warm_on_a_release_outside_the_range_runs_when_the_spec_says_warn(tmp_path):
+    from tests.helpers.vllm import build, runtime_hook
+
+    doc = vllm_doc(tmp_path / "vllm-root", vllmVersionCheck="warn")
+    with runtime_hook():
+        built = build(tmp_path, doc, installed_as(tmp_path, "0.35.0"))
+    assert "vLLM 0.35.0 is outside the range" in built["log"]
+    assert "trying it anyway (vllmVersionCheck: warn)" in built["log"]
+    assert built["manifest"].is_file()
+
+
 SERVING = "import kernelcache.runtime as r; r.install(); import vllm; print('vllm imported')"
 
 

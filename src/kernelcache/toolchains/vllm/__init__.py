@@ -206,8 +206,11 @@ class Vllm(Toolchain):
     def observe(self, serving: Serving) -> None:
         config = serving.config
         # Registered before the hooks: a release outside the range may have moved what they
-        # wrap, so it is refused when vLLM is imported, before any of them binds.
-        when_imported("vllm", _version_checked(config.vllm_version_check))
+        # wrap, so it is refused when vLLM is imported, before any of them binds. A warm's
+        # engine processes (the warm gives them a state directory) are not checked again: the
+        # warm checked this install with the spec's choice (``check_warm``).
+        if config.vllm_state_dir is None:
+            when_imported("vllm", _version_checked(config.vllm_version_check))
         factors = serving.manifest.stamp.get("factors", {}) if serving.manifest else {}
         if config.vllm_sizes is not None:
             sizes = list(config.vllm_sizes)

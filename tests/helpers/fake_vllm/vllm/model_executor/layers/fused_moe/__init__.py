@@ -133,17 +133,22 @@ def load(kernel: str) -> None:
     jit_monitor.on_kernel_load(kernel)
 
 
+class RoutedExperts:
+    """As vLLM's: a MoE layer's experts, their weights and quant method."""
+
+    def __init__(self, experts: int, hidden: int, n: int) -> None:
+        self.w13_weight = SimpleNamespace(shape=(experts, 2 * n, hidden))
+        self.w2_weight = SimpleNamespace(shape=(experts, hidden, n))
+        self.quant_method = UnquantizedFusedMoEMethod()
+
+
 class MoERunner:
     """One MoE layer, registered in the compilation config's forward context by its name."""
 
     def __init__(self, layer_name: str, config: FusedMoEConfig) -> None:
         self.layer_name, self.moe_config = layer_name, config
         experts, hidden, n = config.num_experts, config.hidden_dim, config.intermediate_size
-        self.routed_experts = SimpleNamespace(
-            w13_weight=SimpleNamespace(shape=(experts, 2 * n, hidden)),
-            w2_weight=SimpleNamespace(shape=(experts, hidden, n)),
-            quant_method=UnquantizedFusedMoEMethod(),
-        )
+        self.routed_experts = RoutedExperts(experts, hidden, n)
 
     @property
     def _quant_method(self) -> Any:
