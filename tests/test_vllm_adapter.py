@@ -127,6 +127,13 @@ def test_a_field_gone_from_the_moe_config_and_a_reordered_signature_are_named(mo
     )
 
 
+def test_a_variable_vllm_no_longer_reads_is_named(moved):
+    edit(moved / "vllm/envs.py", '"VLLM_TUNED_CONFIG_FOLDER"', '"VLLM_MOE_CONFIG_FOLDER"')
+    assert problems_of(moved) == {
+        "vLLM's variables": "vllm.envs no longer names VLLM_TUNED_CONFIG_FOLDER"
+    }
+
+
 def test_one_model_runner_is_enough_but_none_is_named(moved):
     assert "model runner execute_model" not in problems_of(moved)  # the gpu/ one is absent
     shutil.rmtree(moved / "vllm/v1/worker")

@@ -39,6 +39,7 @@ DEF = "def"  # a function or method accepting ``needs`` (its first ``positional`
 FIELDS = "fields"  # a class holding each of ``needs`` (a field, a property, ``self.x = ``)
 NAME = "name"  # a module-level name (defined, imported, or declared for a lazy __getattr__)
 REFERS = "refers"  # a function whose body names each of ``needs`` (the hook relies on it)
+STRINGS = "strings"  # a module holding each of ``needs`` as a string (a variable, a key)
 
 # How the spec's ``vllmVersionCheck`` answers a release outside ``SUPPORTED``.
 REFUSE, WARN = VLLM_VERSION_CHECKS
@@ -125,6 +126,11 @@ INTERNALS_0_26 = (
        kind=REFERS, needs=("maybe_apply_startup_plan",), bound_by="hooks"),
     _I("startup plan apply", STARTUP_PLAN, "maybe_apply_startup_plan", needs=("worker",),
        positional=1, bound_by="hooks"),
+    _I("startup plan file", STARTUP_PLAN, kind=STRINGS,
+       needs=("startup_plan", "free_memory_baseline"), bound_by="hooks, cache_root"),
+    _I("vLLM's variables", "vllm.envs", kind=STRINGS,
+       needs=("VLLM_CACHE_ROOT", "VLLM_ENABLE_STARTUP_PLAN", "VLLM_TUNED_CONFIG_FOLDER"),
+       bound_by="cache_root, passes, coverage"),
     _I("kv cache bytes", "vllm.config", "CacheConfig", kind=FIELDS,
        needs=("kv_cache_memory_bytes",), bound_by="hooks"),
     _I("memory snapshot", "vllm.utils.mem_utils", "MemorySnapshot", kind=FIELDS,
@@ -549,8 +555,17 @@ def _check_one(tree: _Tree, item: Internal) -> str | None:
             if (instead := _check_one(tree, _one_module(item, module))) is not None:
                 return instead
         return None
-    if item.kind == MODULE:
-        return None if tree.module(item.module) is not None else f"module {item.module} not found"
+    if item.kind in (MODULE, STRINGS):
+        module = tree.module(item.module)
+        if module is None:
+            return f"module {item.module} not found"
+        strings = {
+            n.value
+            for n in ast.walk(module)
+            if isinstance(n, ast.Constant) and n.value in item.needs
+        }
+        lost = [name for name in item.needs if name not in strings]
+        return f"{item.module} no longer names {', '.join(lost)}" if lost else None
     found = tree.find(item.module, item.name)
     if isinstance(found, str):
         return found
