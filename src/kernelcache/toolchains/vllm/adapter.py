@@ -556,12 +556,12 @@ def _check_one(tree: _Tree, item: Internal) -> str | None:
                 return instead
         return None
     if item.kind in (MODULE, STRINGS):
-        module = tree.module(item.module)
-        if module is None:
+        parsed = tree.module(item.module)
+        if parsed is None:
             return f"module {item.module} not found"
         strings = {
             n.value
-            for n in ast.walk(module)
+            for n in ast.walk(parsed)
             if isinstance(n, ast.Constant) and n.value in item.needs
         }
         lost = [name for name in item.needs if name not in strings]
