@@ -153,6 +153,8 @@ def test_one_model_runner_is_enough_but_none_is_named(moved):
         ("0.30.0", True),
         ("0.34.0", True),
         ("0.34.1.dev3+g1234abc", True),
+        ("0.26.0+cu129", True),
+        ("0.35.0.dev12+gabc", False),
         ("0.25.1", False),
         ("0.26.0rc1", False),
         ("0.35.0rc1", False),
