@@ -143,6 +143,50 @@ def test_one_model_runner_is_enough_but_none_is_named(moved):
     )
 
 
+# ------------------------------------------------------------------- the rooms' calls
+
+
+def test_the_calls_the_rooms_make_through_the_adapter_on_the_stand_ins_objects(monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKE_VLLM))
+    from vllm.forward_context import get_forward_context, set_forward_context
+    from vllm.model_executor.layers.fused_moe import (
+        FusedMoEConfig,
+        MoERunner,
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.model_executor.layers.fused_moe.fused_moe_modular_method import (
+        FusedMoEModularMethod,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = GPUModelRunner(None)
+    assert adapter.dummy_run_options(runner._dummy_run) == {"skip_eplb": True, "remove_lora": False}
+
+    def gpu_runner_dummy_run(num_tokens, *args, skip_attn=False, skip_eplb=False, **kwargs):
+        """The ``gpu/`` runner's: no ``remove_lora`` (passing it would reach **kwargs)."""
+
+    assert adapter.dummy_run_options(gpu_runner_dummy_run) == {"skip_eplb": True}
+    assert adapter.scheduled_tokens(SchedulerOutput(total_num_scheduled_tokens=7)) == 7
+    layer = MoERunner("model.layers.0.mlp.experts", FusedMoEConfig(8, 2, 16, 32, "bfloat16"))
+    assert isinstance(adapter.moe_quant_method(layer), UnquantizedFusedMoEMethod)
+    experts = adapter.routed_experts(layer)
+    assert experts.w2_weight.shape == (8, 16, 32)
+    wrapped = FusedMoEModularMethod(experts.quant_method, moe_kernel=None)
+    assert adapter.base_quant_method(wrapped) is experts.quant_method
+    assert adapter.base_quant_method(experts.quant_method) is experts.quant_method
+    with set_forward_context(None, None, num_tokens=4):
+        adapter.set_moe_layer(get_forward_context(), 3)
+        assert get_forward_context().moe_layer_index == 3
+    assert adapter.moe_module().get_config_file_name(8, 32, None).startswith("E=8,N=32,")
+    with adapter.override_config()({"BLOCK_SIZE_M": 16}):
+        from vllm.model_executor.layers.fused_moe import get_config
+
+        assert get_config() == {"BLOCK_SIZE_M": 16}
+    monkeypatch.setenv("FAKE_VLLM_PLATFORM", "cpu")
+    assert adapter.is_cuda() is False
+
+
 # ------------------------------------------------------------------- the range
 
 
