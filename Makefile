@@ -7,7 +7,7 @@ STORE ?= demo-store
 SPEC ?= examples/kernelcache.yaml
 SERVE_DIR ?= $(STORE)-serve
 
-.PHONY: demo test test-quick test-all lint crds images load-images push-images bench clean
+.PHONY: demo test test-quick test-all lint crds images load-images push-images bench clean vllm-sources
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,15 +57,22 @@ PYTEST_WORKERS ?= 6
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 NO_TESTS := rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
-test: $(VENV)/.installed-test
+# The Python sources of the vLLM releases the compatibility tests read
+# (tests/test_vllm_adapter.py; which ones: adapter.CHECKED_RELEASES), into .cache/vllm-sources:
+# each release's source archive (38-51 MB, its sha256 checked), its .py files kept; a release
+# already there is not fetched again.
+vllm-sources: $(VENV)/.installed
+	$(PY) scripts/fetch-vllm-sources.py
+
+test: $(VENV)/.installed-test vllm-sources
 	bash scripts/install-system-tools.sh
 	$(PYTEST) -m "not large"; $(NO_TESTS)
 
-test-quick: $(VENV)/.installed-test
+test-quick: $(VENV)/.installed-test vllm-sources
 	bash scripts/install-system-tools.sh
 	$(PYTEST) -m "not slow and not large"; $(NO_TESTS)
 
-test-all: $(VENV)/.installed-test
+test-all: $(VENV)/.installed-test vllm-sources
 	bash scripts/install-system-tools.sh
 	$(PYTEST); $(NO_TESTS)
 

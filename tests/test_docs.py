@@ -398,6 +398,23 @@ def flashinfer_module_missing(tmp: Path) -> str:
     return verify(store, *H200, "--materialize", str(tmp / "pod"), code=10)
 
 
+def vllm_outside_the_range(tmp: Path) -> str:
+    """``kernelcache build`` of a vllm warmer with vLLM 0.35.0 installed (the stand-in engine
+    under that release's metadata)."""
+    from tests.helpers.vllm import fake_env, vllm_doc
+
+    info = tmp / "site" / "vllm-0.35.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.35.0\n")
+    (tmp / "kc.yaml").write_text(yaml.safe_dump(vllm_doc(tmp / "vllm-root")))
+    env = fake_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp / "site"), env["PYTHONPATH"]])
+    proc = run_kernelcache(
+        "build", "-f", str(tmp / "kc.yaml"), "--store", str(tmp / "store"), **env
+    )
+    return last_line(proc, ExitCode.NOT_INSTALLED)
+
+
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
@@ -432,6 +449,7 @@ REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "spec.warmers[0] (command <program>) ran past timeoutSeconds=<seconds> for sm_90a": ran_past_timeout,  # noqa: E501
     "kernelcache: error: sm_90a: <reason>": build_failed,
     "kernelcache: error: <what>": no_store,
+    "kernelcache: error: sm_90a: vllm warmer: vLLM 0.35.0 is outside the range the vllm toolchain supports (>=0.26.0,<0.35; proven on a GPU: 0.26.0): install a vLLM in the range, or set vllmVersionCheck: warn in the vllm warmer's workload to try this one": vllm_outside_the_range,  # noqa: E501
     "kernelcache: error: …: FlashInfer module batch_prefill_… that the warm loaded is not in the generation (flashinfer/aot/…/….so): FlashInfer with JIT disabled would fail the first request needing it; rebuild the generation": flashinfer_module_missing,  # noqa: E501
     "cute-dsl: my_kernels:gemm in …: no kernel compiled from this IR (ir …); strict mode refuses a cold compile; no kernel of my_kernels:gemm is recorded there": cold_compile,  # noqa: E501
     "cute-dsl: my_kernels:gemm in …: no kernel compiled from this IR (ir …); strict mode refuses a cold compile; nearest recorded kernel …: IR line 4 was 'block = <i64: 128, 1, 1>', here 'block = <i64: 64, 1, 1>'; since its compile: file …/tiles.json (…) differs from the one the kernel was compiled with": stale_cute_kernel,  # noqa: E501

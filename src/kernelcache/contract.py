@@ -282,6 +282,25 @@ VLLM_MOE_TUNING = Variable[str | None](
     "(`mode`, `budget_seconds` of spec.warmers[].workload.moeTuning)",
     _text,
 )
+# How a vLLM release outside the vllm toolchain's supported range is met: refused (the warm
+# and a serving start stop, naming the version and the range) or warned about (tried anyway).
+VLLM_VERSION_CHECKS = ("refuse", "warn")
+
+
+def _vllm_version_check(name: str, text: str) -> str:
+    if text not in VLLM_VERSION_CHECKS:
+        raise SpecError(f"{name}={text!r}: expected one of {', '.join(VLLM_VERSION_CHECKS)}")
+    return text
+
+
+VLLM_VERSION_CHECK = Variable[str](
+    "KERNELCACHE_VLLM_VERSION_CHECK",
+    "refuse",
+    "`warn`: a serving start on a vLLM outside the supported range warns and tries (the "
+    "webhook sets it from spec.warmers[].workload.vllmVersionCheck); `refuse` (the default) "
+    "stops it",
+    _vllm_version_check,
+)
 VLLM_STATE_DIR = Variable[Path | None](
     "KERNELCACHE_VLLM_STATE_DIR",
     None,
@@ -393,6 +412,7 @@ class Settings:
     vllm_state_dir: Annotated[Path | None, VLLM_STATE_DIR] = VLLM_STATE_DIR.default
     vllm_coverage: Annotated[str | None, VLLM_COVERAGE] = VLLM_COVERAGE.default
     vllm_moe_tuning: Annotated[str | None, VLLM_MOE_TUNING] = VLLM_MOE_TUNING.default
+    vllm_version_check: Annotated[str, VLLM_VERSION_CHECK] = VLLM_VERSION_CHECK.default
     sm_count: Annotated[int | None, SM_COUNT] = SM_COUNT.default
     cute_dsl_dir: Annotated[Path | None, CUTE_DSL_DIR] = CUTE_DSL_DIR.default
     started_at: Annotated[float | None, STARTED_AT] = STARTED_AT.default

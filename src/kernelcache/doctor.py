@@ -106,6 +106,7 @@ def diagnose(
         t.label: t.requires for t in toolchains() if t.requires is not None
     }
     _check_toolchains(report, needed or everyone, bool(needed))
+    _check_ranges(report, needed or everyone, bool(needed))
     _check_cache_env(report, manifest is not None)
     _check_hook(report)
     if manifest is not None:
@@ -170,6 +171,30 @@ def _check_toolchains(
         detail = f"{dist} is not installed" if version is None else f"import {module}: {error}"
         status = "fail" if required else "warn"
         report.add(f"toolchain/{toolchain}", status, detail, ExitCode.NOT_INSTALLED)
+
+
+def _check_ranges(
+    report: Report, needed: dict[str, tuple[str, str] | None], required: bool
+) -> None:
+    """The installed release of each toolchain that declares a supported range (vLLM)
+    against it: outside, the warm and serving would refuse it (``Toolchain.version_problem``)."""
+    for toolchain in toolchains():
+        requires = needed.get(toolchain.label)
+        if requires is None:
+            continue
+        try:
+            version = importlib.metadata.version(requires[0])
+        except importlib.metadata.PackageNotFoundError:
+            continue  # the toolchain row says so
+        problem = toolchain.version_problem(version)
+        if problem is None:
+            if toolchain.supported_range:
+                supported = toolchain.supported_range
+                detail = f"{requires[0]}=={version} is in the supported range ({supported})"
+                report.add(f"range/{toolchain.label}", "ok", detail)
+            continue
+        status = "fail" if required else "warn"
+        report.add(f"range/{toolchain.label}", status, problem, ExitCode.NOT_INSTALLED)
 
 
 def _import(modules: list[str]) -> dict[str, str | None]:

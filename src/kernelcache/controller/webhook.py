@@ -367,6 +367,8 @@ def serving_env(kc: KernelCache) -> list[dict[str, str]]:
     }
     if roots := kc.spec.vllm_cache_roots():
         env["VLLM_CACHE_ROOT"] = roots[0]
+    if kc.spec.vllm_version_check() == "warn":  # the spec tries a vLLM outside the range
+        env[contract.VLLM_VERSION_CHECK.name] = "warn"
     return [{"name": k, "value": v} for k, v in env.items()]
 
 

@@ -183,6 +183,12 @@ class KernelCacheSpec(BaseModel):
         """The vllm warmers' cache roots: writable in the compile Job and the serving pod."""
         return sorted({w.vllm_workload().cache_root for w in self.warmers if w.type == "vllm"})
 
+    def vllm_version_check(self) -> str | None:
+        """``warn`` when a vllm warmer asks to try a vLLM outside the supported range, else
+        ``refuse`` (None: no vllm warmer)."""
+        checks = {w.vllm_workload().vllm_version_check for w in self.warmers if w.type == "vllm"}
+        return ("warn" if "warn" in checks else "refuse") if checks else None
+
 
 class KernelCache(BaseModel):
     """Builds GPU kernel caches ahead of time so serving pods start with them warm."""

@@ -150,6 +150,12 @@ class VllmWorkload(BaseModel):
         description="Fused-MoE configs tuned for the GPU product the compile Job runs on; "
         "kept in the generation and read by serving (VLLM_TUNED_CONFIG_FOLDER).",
     )
+    vllm_version_check: Literal["refuse", "warn"] = Field(
+        default="refuse",
+        description="A vLLM outside the range the vllm toolchain supports (docs/vllm.md): "
+        "refuse (the warm and each serving start stop, naming the version and the range) or "
+        "warn (tried anyway, with a warning; strict mode still refuses what it refuses).",
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> VllmWorkload:

@@ -141,7 +141,12 @@ def make_warmers(
     learned: Sequence[LearnedKey] = (),
 ) -> list[Warmer]:
     """Each warmer with the GPU classes it compiles for (``gpuClasses``; all when it names
-    none) and what serving learned."""
+    none) and what serving learned; its toolchain checks the installation first
+    (``Toolchain.check_warm``: a vLLM outside the range is refused before any stamp)."""
+    for config in configs:
+        for toolchain in toolchains():
+            if any(w.type == config.type for w in toolchain.warmers):
+                toolchain.check_warm(config)
     return [
         warmer_class(c.type)(c, spec_dir, [g for g in gpu_classes if c.compiles_for(g)], learned)
         for c in configs

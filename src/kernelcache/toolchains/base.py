@@ -95,6 +95,19 @@ class Toolchain:
     def check_generation(self, manifest: Manifest, strict: bool) -> None:
         """Refuse (strict) or warn about a generation this process cannot use as laid out."""
 
+    @property
+    def supported_range(self) -> str:
+        """The releases of ``requires`` this toolchain supports, in words ("" when any)."""
+        return ""
+
+    def version_problem(self, version: str) -> str | None:
+        """Why release ``version`` of ``requires`` is not supported here (None: it is)."""
+        return None
+
+    def check_warm(self, config: WarmerSpec) -> None:
+        """Refuse, before anything is warmed, an installation this toolchain does not support
+        for the warmer ``config`` declares (a release outside its range)."""
+
     def check_pod(self, manifest: Manifest, environ: Mapping[str, str]) -> None:
         """Refuse, in the init-container, a pod environment the generation cannot serve."""
 

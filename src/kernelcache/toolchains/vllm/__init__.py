@@ -54,7 +54,8 @@ Nothing here imports vLLM: each hook is installed when vLLM's own module is impo
 The rooms: ``passes`` (the warmer: engine passes until none meets a JIT), ``engine`` (one
 ``vllm serve`` driven through its sweep), ``hooks`` (inside vLLM's processes), ``coverage``
 (what the engine's configuration can ask for, enumerated and replayed), ``tuning`` (fused-MoE
-tables), ``cache_root`` (vLLM's tree at the path it was built at); this module is the
+tables), ``cache_root`` (vLLM's tree at the path it was built at), ``adapter`` (every vLLM
+internal bound, per version family, and the supported range); this module is the
 toolchain's face to the rest (serving settings, the init-container's hooks, inspect/explain).
 """
 
@@ -62,13 +63,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernelcache.errors import StorageError
+from kernelcache.errors import NotInstalledError, StorageError
+from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains.base import Serving, Toolchain
-from kernelcache.toolchains.vllm import coverage, tuning
+from kernelcache.toolchains.vllm import adapter, coverage, tuning
 from kernelcache.toolchains.vllm.cache_root import (
     ENV,
     MODEL_FACTOR,
@@ -84,6 +88,7 @@ from kernelcache.toolchains.vllm.hooks import read_sizes, watch
 from kernelcache.toolchains.vllm.passes import VllmWarmer
 
 if TYPE_CHECKING:
+    from kernelcache.spec import Warmer as WarmerSpec
     from kernelcache.store import Manifest
 
 log = logging.getLogger(__name__)
@@ -134,7 +139,39 @@ def factor_diffs(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]
     ]
 
 
+def _version_checked(check: str) -> Callable[[Any], None]:
+    """The hook run when vLLM is imported in a serving process: the installed release against
+    the supported range. Refused: one line and the exit code of its class, as the runtime's
+    ``.pth`` hook refuses (an exception raised inside an import would be a traceback in
+    vLLM's own start-up, and a process left half-hooked)."""
+
+    def checked(_: Any) -> None:
+        try:
+            said = adapter.check_version(adapter.installed_version(), check, "vllm serving")
+        except NotInstalledError as exc:
+            print(f"kernelcache: {exc.message}", file=sys.stderr, flush=True)
+            os._exit(int(exc.code))
+        if said:
+            log.warning("kernelcache: %s", said)
+
+    return checked
+
+
 class Vllm(Toolchain):
+    @property
+    def supported_range(self) -> str:
+        return adapter.SUPPORTED
+
+    def version_problem(self, version: str) -> str | None:
+        return adapter.outside(version)
+
+    def check_warm(self, config: WarmerSpec) -> None:
+        """The installed vLLM against the supported range (``adapter``), before the warm."""
+        check = config.vllm_workload().vllm_version_check
+        said = adapter.check_version(adapter.installed_version(), check, "vllm warmer")
+        if said:
+            log.warning("kernelcache: %s", said)
+
     def serving_env(self, serving: Serving, files: Path) -> dict[str, str]:
         env = super().serving_env(serving, files)
         # A vLLM cache is read at the absolute root it was built at, never from files/vllm.
@@ -168,6 +205,12 @@ class Vllm(Toolchain):
 
     def observe(self, serving: Serving) -> None:
         config = serving.config
+        # Registered before the hooks: a release outside the range may have moved what they
+        # wrap, so it is refused when vLLM is imported, before any of them binds. A warm's
+        # engine processes (the warm gives them a state directory) are not checked again: the
+        # warm checked this install with the spec's choice (``check_warm``).
+        if config.vllm_state_dir is None:
+            when_imported("vllm", _version_checked(config.vllm_version_check))
         factors = serving.manifest.stamp.get("factors", {}) if serving.manifest else {}
         if config.vllm_sizes is not None:
             sizes = list(config.vllm_sizes)

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernelcache.toolchains.vllm import adapter
+
 if TYPE_CHECKING:
     pass
 
@@ -63,7 +65,7 @@ def prompts_for(length: int, batch: int) -> list[list[int]]:
 
 def serve_command(engine: Mapping[str, Any], port: int) -> list[str]:
     """``vllm serve`` with the engine arguments as its flags (``dtype`` -> ``--dtype``)."""
-    args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(engine["model"])]
+    args = [sys.executable, "-m", adapter.SERVE_MAIN, "serve", str(engine["model"])]
     args += ["--host", "127.0.0.1", "--port", str(port)]
     for name, value in engine.items():
         flag = "--" + name.replace("_", "-")

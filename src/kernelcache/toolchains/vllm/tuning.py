@@ -27,7 +27,6 @@ Nothing here imports vLLM or torch at module level: ``tune`` is handed vLLM's ob
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelcache.toolchains.vllm import coverage
+from kernelcache.toolchains.vllm import adapter, coverage
 
 log = logging.getLogger(__name__)
 
@@ -294,22 +293,21 @@ def summary(report: Mapping[str, Any] | None) -> str:
 
 def shape_of(signature: str, index: int, layer: Any, tensor_parallel: int) -> Shape:
     """The shape's table name and shipped table, or why it cannot be tuned here."""
-    experts = getattr(layer, "routed_experts", None)
+    experts = adapter.routed_experts(layer)
+    # A quantized method registers other weights (w2_weight_packed, scales): none to tune.
     w2 = getattr(experts, "w2_weight", None)
     config = layer.moe_config
     if w2 is None:
         return Shape(signature, index, layer, 0, 0, 0, 0, why_not="no unquantized expert weights")
     count, hidden, intermediate = (int(n) for n in w2.shape)
     shape = Shape(signature, index, layer, count, intermediate, hidden, config.experts_per_token)
-    method = getattr(experts, "quant_method", None)
-    method = getattr(method, "old_quant_method", method)  # under vLLM's modular wrapper
+    method = adapter.base_quant_method(experts.quant_method)
     dtype = str(config.in_dtype).removeprefix("torch.")
     if type(method).__name__ != UNQUANTIZED or dtype not in ("bfloat16", "float16"):
         shape.why_not = f"{type(method).__name__} {dtype}: only bf16/fp16 unquantized is tuned"
     elif tensor_parallel != 1:
         shape.why_not = f"tensor parallel {tensor_parallel}: tuning runs at tensor parallel 1"
-    module = importlib.import_module(coverage.MOE_MODULE)
-    shape.file = module.get_config_file_name(count, intermediate, None)
+    shape.file = adapter.moe_module().get_config_file_name(count, intermediate, None)
     shipped = shipped_folder() / shape.file
     if shipped.is_file():
         data = json.loads(shipped.read_text())
@@ -319,7 +317,7 @@ def shape_of(signature: str, index: int, layer: Any, tensor_parallel: int) -> Sh
 
 def shipped_folder() -> Path:
     """Where vLLM keeps the config tables it ships."""
-    return Path(str(importlib.import_module(coverage.MOE_MODULE).__file__)).parent / "configs"
+    return Path(str(adapter.moe_module().__file__)).parent / "configs"
 
 
 def other_gpus(shape: Shape) -> list[dict[int, Config]]:
@@ -352,7 +350,7 @@ def timer(vllm_config: Any, shape: Shape, scratch: str, report: Report) -> Measu
     import torch
     from triton import knobs
 
-    override = importlib.import_module("vllm.model_executor.layers.fused_moe").override_config
+    override = adapter.override_config()
     inputs: dict[int, tuple[Any, Any]] = {}
     cuda = torch.cuda.is_available()
     report.timing = "cuda graphs" if cuda else "wall clock"
@@ -425,7 +423,7 @@ def _timed(run: Callable[[], None], reps: int, torch: Any) -> float:
 def tune(vllm_config: Any, mode: str, budget_seconds: int) -> Report:
     """Tune each MoE shape of the engine that ``mode`` asks for; write the tables where vLLM
     reads them first (``VLLM_TUNED_CONFIG_FOLDER``) and make vLLM read them again."""
-    module = importlib.import_module(coverage.MOE_MODULE)
+    module = adapter.moe_module()
     report = Report(mode, budget_seconds, device=coverage.config_device())
     folder = os.environ.get(coverage.TUNED_FOLDER_ENV)
     started = time.monotonic()
@@ -436,7 +434,7 @@ def tune(vllm_config: Any, mode: str, budget_seconds: int) -> Report:
             shape.why_not = f"vLLM ships {shape.file} (mode auto)"
         if not shape.why_not and not folder:
             shape.why_not = f"{coverage.TUNED_FOLDER_ENV} is not set: nowhere to keep a table"
-        if not shape.why_not and not _on_gpu():
+        if not shape.why_not and not adapter.is_cuda():
             shape.why_not = "no GPU: a table is measured on the GPU product it is for"
         if shape.why_not:
             report.shapes.append(
@@ -467,7 +465,7 @@ def tune_shape(
     what the report says of it."""
     import triton
 
-    module = importlib.import_module(coverage.MOE_MODULE)
+    module = adapter.moe_module()
     others = other_gpus(shape)
     baseline_name = "shipped" if shape.shipped else "default"
     sizes = buckets(int(vllm_config.scheduler_config.max_num_batched_tokens))
@@ -508,9 +506,3 @@ def tune_shape(
         "seconds": round(time.monotonic() - began, 1),
         "buckets": [{**asdict(b), "gain": b.gain} for b in results],
     }
-
-
-def _on_gpu() -> bool:
-    """Whether vLLM runs on a CUDA GPU here (its platform says so)."""
-    platforms = importlib.import_module("vllm.platforms")
-    return bool(platforms.current_platform.is_cuda())

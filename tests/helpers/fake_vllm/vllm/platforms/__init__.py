@@ -1,13 +1,7 @@
-"""As vLLM's: the platform the engine runs on (a CUDA GPU, unless ``FAKE_VLLM_PLATFORM``)."""
+"""As vLLM's: the platform the engine runs on (``interface.Platform``)."""
 
 from __future__ import annotations
 
-import os
+from vllm.platforms.interface import Platform
 
-
-class _Platform:
-    def is_cuda(self) -> bool:
-        return os.environ.get("FAKE_VLLM_PLATFORM", "cuda") == "cuda"
-
-
-current_platform = _Platform()
+current_platform = Platform()

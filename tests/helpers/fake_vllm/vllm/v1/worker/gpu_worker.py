@@ -25,6 +25,8 @@ class _CompilationConfig:
     static_forward_context: dict[str, Any] = field(default_factory=dict)
     static_all_moe_layers: list[str] = field(default_factory=list)
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: [64, 32, 16, 8, 4, 2, 1])
+    compile_sizes: list[int] | None = None
+    compile_ranges_endpoints: list[int] | None = None
 
 
 @dataclass

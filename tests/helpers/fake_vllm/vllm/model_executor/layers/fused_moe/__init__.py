@@ -139,6 +139,15 @@ def load(kernel: str, module: str = MODULE) -> None:
     jit_monitor.on_kernel_load(kernel)
 
 
+class RoutedExperts:
+    """As vLLM's: a MoE layer's experts, their weights and quant method."""
+
+    def __init__(self, experts: int, hidden: int, n: int) -> None:
+        self.w13_weight = SimpleNamespace(shape=(experts, 2 * n, hidden))
+        self.w2_weight = SimpleNamespace(shape=(experts, hidden, n))
+        self.quant_method = UnquantizedFusedMoEMethod()
+
+
 class MoERunner:
     """One MoE layer, registered in the compilation config's forward context by its name."""
 
@@ -147,11 +156,11 @@ class MoERunner:
         self.shared_experts = shared_experts
         self.shared_output: Any = None  # the model's forward takes it; from outside, it stays
         experts, hidden, n = config.num_experts, config.hidden_dim, config.intermediate_size
-        self.routed_experts = SimpleNamespace(
-            w13_weight=SimpleNamespace(shape=(experts, 2 * n, hidden)),
-            w2_weight=SimpleNamespace(shape=(experts, hidden, n)),
-            quant_method=UnquantizedFusedMoEMethod(),
-        )
+        self.routed_experts = RoutedExperts(experts, hidden, n)
+
+    @property
+    def _quant_method(self) -> Any:
+        return self.routed_experts.quant_method
 
     def forward(self, hidden_states: Any, router_logits: Any) -> Any:
         tokens = int(hidden_states.shape[0])
