@@ -167,7 +167,9 @@ def test_the_calls_the_rooms_make_through_the_adapter_on_the_stand_ins_objects(m
         """The ``gpu/`` runner's: no ``remove_lora`` (passing it would reach **kwargs)."""
 
     assert adapter.dummy_run_options(gpu_runner_dummy_run) == {"skip_eplb": True}
-    assert adapter.scheduled_tokens(SchedulerOutput(total_num_scheduled_tokens=7)) == 7
+    step = SchedulerOutput.make_empty()
+    step.total_num_scheduled_tokens = 7
+    assert adapter.scheduled_tokens(step) == 7
     layer = MoERunner("model.layers.0.mlp.experts", FusedMoEConfig(8, 2, 16, 32, "bfloat16"))
     assert isinstance(adapter.moe_quant_method(layer), UnquantizedFusedMoEMethod)
     experts = adapter.routed_experts(layer)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelcache.errors import ColdCompileError
+from kernelcache.toolchains.vllm import adapter
 from kernelcache.toolchains.vllm.steps import SHAPES, Limits, Steps
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ MOE = "fused_moe"
 ENUMERATE = "enumerate"  # KERNELCACHE_VLLM_COVERAGE's value for the pass that enumerates
 FILE = "vllm-warmup/coverage.json"  # under files/
 TUNED_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM reads its fused-MoE tables here first
-MOE_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # its tables' reader and names
 METHOD = "model runner dummy forward"  # how a record was derived (older ones: MoE layer calls)
 WARM_UP = "vLLM's warm-up"  # where a kernel loaded outside the enumerated forwards was met
 NOT_ENUMERATED = {
@@ -229,7 +229,7 @@ loads = Loads()
 def layer_signature(layer: Any) -> str:
     """What decides a MoE layer's kernels: its shapes, dtype, routing and quantization."""
     config = layer.moe_config
-    method = type(getattr(layer, "_quant_method", None) or layer).__name__
+    method = type(adapter.moe_quant_method(layer)).__name__
     dtype = str(config.in_dtype).removeprefix("torch.")
     return (
         f"E={config.num_experts},top{config.experts_per_token},H={config.hidden_dim},"
@@ -271,7 +271,7 @@ def engine_config(vllm_config: Any, layers: list[tuple[str, int, Any]]) -> dict[
 
 def config_device() -> str:
     """The GPU product in the names of vLLM's fused-MoE config tables (``NVIDIA_H200``)."""
-    name = importlib.import_module(MOE_MODULE).get_config_file_name(1, 1, None)
+    name = adapter.moe_module().get_config_file_name(1, 1, None)
     return name.partition("device_name=")[2].removesuffix(".json")
 
 

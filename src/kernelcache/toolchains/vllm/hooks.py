@@ -5,7 +5,6 @@ warm and the bench (``dump``)."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from kernelcache.errors import ColdCompileError, StampMismatchError
 from kernelcache.runtime import metrics, ready
 from kernelcache.runtime.imports import when_imported
 from kernelcache.toolchains import flashinfer
-from kernelcache.toolchains.vllm import coverage, tuning
+from kernelcache.toolchains.vllm import adapter, coverage, tuning
 from kernelcache.toolchains.vllm.cache_root import ENV, MODEL_FACTOR, PLAN_DIR
 from kernelcache.toolchains.vllm.coverage import Coverage
 
@@ -32,7 +31,6 @@ log = logging.getLogger(__name__)
 
 WARMUP_SUBDIR = "vllm-warmup"
 WARMUP_FILE = f"{WARMUP_SUBDIR}/sizes.json"
-_RUNNERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
 
 
 @dataclass
@@ -102,11 +100,11 @@ def watch(
     state.tuning = moe_tuning
     os.register_at_fork(after_in_child=_forked)
     when_imported("triton", lambda _: coverage.loads.install())
-    when_imported("vllm.engine.arg_utils", _imported)
-    when_imported("vllm.utils.jit_monitor", _hook_monitor)
-    when_imported("vllm.v1.worker.gpu_worker", _hook_worker_module)
-    for name in _RUNNERS:
-        when_imported(name, lambda module: _hook_runner(module.GPUModelRunner))
+    when_imported(adapter.ARG_UTILS, _imported)
+    when_imported(adapter.JIT_MONITOR, _hook_monitor)
+    when_imported(adapter.GPU_WORKER, _hook_worker_module)
+    for name in adapter.RUNNERS:
+        when_imported(name, lambda module: _hook_runner(getattr(module, adapter.RUNNER_CLASS)))
 
 
 def _log_beside_vllm() -> None:
@@ -333,8 +331,7 @@ def _hook_worker_module(module: Any) -> None:
 
     worker_class.compile_or_warm_up_model = compile_or_warm_up_model
     worker_class.load_model = load_model_checked
-    if hasattr(module, "maybe_apply_startup_plan"):  # vLLM 0.26+
-        module.maybe_apply_startup_plan = _plan_checked(module.maybe_apply_startup_plan)
+    module.maybe_apply_startup_plan = _plan_checked(module.maybe_apply_startup_plan)
 
 
 def _plan_checked(apply: Any) -> Any:
@@ -397,7 +394,7 @@ def _hook_runner(runner_class: Any) -> None:
     execute = runner_class.execute_model
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        state.forward_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        state.forward_tokens = adapter.scheduled_tokens(scheduler_output)
         state.forward_batch = describe(scheduler_output)
         try:
             return execute(self, scheduler_output, *args, **kwargs)
@@ -427,10 +424,7 @@ def describe(scheduler_output: Any) -> str | None:
 def preload(runner: Any, sizes: list[int]) -> None:
     """One dummy forward per token count, largest first, as vLLM's own warm-up runs them."""
     start = time.perf_counter()
-    accepted = inspect.signature(runner._dummy_run).parameters
-    options = {"skip_eplb": True} if "skip_eplb" in accepted else {}
-    if "remove_lora" in accepted:
-        options["remove_lora"] = False
+    options = adapter.dummy_run_options(runner._dummy_run)
     for size in sorted(sizes, reverse=True):
         runner._dummy_run(size, **options)
     torch = sys.modules.get("torch")

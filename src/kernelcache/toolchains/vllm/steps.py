@@ -154,7 +154,8 @@ class Steps:
             for one in (earlier, step):
                 if one.num_scheduled_tokens:
                     one.total_num_scheduled_tokens = sum(one.num_scheduled_tokens.values())
-                    one.num_common_prefix_blocks = [0] * len(self.block_sizes)
+                    if hasattr(one, "num_common_prefix_blocks"):  # up to 0.33 (adapter)
+                        one.num_common_prefix_blocks = [0] * len(self.block_sizes)
                     self.worker.execute_model(one)
                     self.worker.sample_tokens(None)
         finally:

@@ -22,8 +22,15 @@ class GPUModelRunner:
                 block_size=16))]
         )  # fmt: skip
         self.requests: dict[str, int] = {}  # the input batch: each request's computed tokens
-        model = Path(vllm_config.model_config.model) / "config.json"
-        self.mla = model.is_file() and "kv_lora_rank" in json.loads(model.read_text())
+        self._mla: bool | None = None
+
+    @property
+    def mla(self) -> bool:
+        """Whether the model's attention is MLA (its config.json has ``kv_lora_rank``)."""
+        if self._mla is None:
+            model = Path(self.vllm_config.model_config.model) / "config.json"
+            self._mla = model.is_file() and "kv_lora_rank" in json.loads(model.read_text())
+        return self._mla
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
         """One step: finished requests leave the batch, new ones join it (with the tokens
