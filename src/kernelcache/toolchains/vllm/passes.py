@@ -168,7 +168,8 @@ class VllmWarmer(Warmer):
                     f"{self.label}: maxPasses {workload.max_passes} left no pass to enumerate "
                     "the coverage in"
                 )
-            enumerated.gaps = gaps(report.passes[-1])
+            families = {s.kernel: s.family for s in enumerated.specializations()}
+            enumerated.gaps = gaps(report.passes[-1], families)
             log.warning(
                 "%s: %d kernel(s) still met after ready in the last of %d engine processes, "
                 "named in the generation as gaps: %s",
@@ -205,9 +206,10 @@ class VllmWarmer(Warmer):
         report.startup_plans = sorted(p.name for p in (target / PLAN_DIR).glob("*.json"))
 
 
-def gaps(last: Mapping[str, Any]) -> list[dict[str, Any]]:
+def gaps(last: Mapping[str, Any], families: Mapping[str, str]) -> list[dict[str, Any]]:
     """What a pass still met after ready (vLLM's monitor's events, then compiles it did not
-    see), one entry per kernel: family, kernel, the batch it was met in."""
+    see), one entry per kernel: family (as the coverage named a kernel of that name, else
+    by its name), kernel, the batch it was met in."""
     found: dict[str, dict[str, Any]] = {}
     for event in last["jit_events"]:
         kernel = str(event["kernel"])
@@ -217,7 +219,7 @@ def gaps(last: Mapping[str, Any]) -> list[dict[str, Any]]:
             else "outside a forward"
         )
         found.setdefault(kernel, {
-            "family": coverage.family(kernel, ""), "kernel": kernel,
+            "family": families.get(kernel) or coverage.family(kernel, ""), "kernel": kernel,
             "tokens": event.get("tokens"), "batch": batch,
         })  # fmt: skip
     for name in last["cold_compiles"]:
