@@ -203,10 +203,17 @@ def test_a_build_compiles_only_the_kernels_whose_keys_moved(tmp_path):
     assert checked.returncode == 0, checked.stderr
     assert "keyed by their traced IR" in checked.stderr and "not known" in checked.stderr
     explained = kernelcache("explain", "env", key, "--store", str(store), PYTHONPATH=path)
-    assert "a hit" not in explained.stdout and "no verdict" in explained.stdout
+    # Not a hit: the kernels whose module changed are named, each loads only if it traces
+    # to the IR it was compiled from.
+    assert "a hit" not in explained.stdout and "but no hit here" in explained.stdout
+    assert "demo_kernels:add: since its compile: module demo_kernels" in explained.stdout
     as_json = kernelcache("explain", "env", key, "--store", str(store), "--json", PYTHONPATH=path)
     shown = json.loads(as_json.stdout)
-    assert shown["hit"] is None and "keyed by their traced IR" in shown["unchecked"][0]
+    assert shown["hit"] is False and "keyed by their traced IR" in shown["unchecked"][0]
+    assert {k["function"] for k in shown["kernels"]} == {
+        "demo_kernels:add",
+        "demo_kernels:scale_tiled",
+    }
 
     rebuilt = build()
     assert rebuilt.returncode == 0 and "published" in rebuilt.stdout, rebuilt.stderr

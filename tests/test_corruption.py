@@ -214,7 +214,8 @@ def manifest_problem(path: Path, faulted: bytes | None, size: int) -> Alternativ
         (ExitCode.MALFORMED_MANIFEST, re.escape(f"{path}: ") + ".+"),
         (
             ExitCode.SIGNATURE,
-            re.escape(f"{signature}: does not match {MANIFEST_NAME}") + r"( \(and \d+ more\))?",
+            re.escape(f"{signature}: does not match {MANIFEST_NAME}")
+            + r"( \(and \d+ more(: .*)?\))?",
         ),
     ]
 

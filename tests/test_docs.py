@@ -418,7 +418,7 @@ def vllm_outside_the_range(tmp: Path) -> str:
 REPRODUCTIONS: dict[str, Callable[[Path], str]] = {
     "team-a/llama/sm_120a: no published generation in /var/lib/kernelcache (arches built: sm_90a)": no_generation,  # noqa: E501
     "stamp mismatch: dist/<distribution>: <version> record=… (generation …) != <version> record=… (this environment)": stamp_mismatch,  # noqa: E501
-    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); CURRENT is …, … (a new image's generation is published when its compile Job ends; the kubelet retries this pod)": image_not_published,  # noqa: E501
+    "stamp mismatch: extra/engine_image: <A> != <B> (--expect-image); CURRENT is …, … (a new image's generation is published when its compile Job ends: a pod with restartPolicy Always or OnFailure retries this init-container until then; one with Never must be created again)": image_not_published,  # noqa: E501
     "gpu_product: NVIDIA H200 != NVIDIA H100 …": other_gpu_product,
     "command warmer: sh exited with 1 for sm_90a: no space left on device (its output: dd: error writing '…': No space left on device)": volume_full,  # noqa: E501
     "…/files/cute-dsl/….o: digest mismatch": digest_mismatch,

@@ -63,7 +63,7 @@ def hook():
         ({"promptLengths": [2046]}, "workload.promptLengths: 2046 + maxTokens 4 is more than"),
         ({"batchSizes": [8], "maxNumSeqs": 4}, "workload.batchSizes: 8 is more than maxNumSeqs"),
         ({"cacheRoot": "cache/vllm"}, "workload.cacheRoot: expected an absolute path"),
-        ({"cacheRoot": "/"}, "workload.cacheRoot: must not be the filesystem root"),
+        ({"cacheRoot": "/"}, "workload.cacheRoot: expected an absolute path below / without"),
         ({"maxModelLen": None}, "workload.maxModelLen: required field is missing"),
         ({"tensorParallel": 2}, "workload.tensorParallel: unknown field"),
         ({"gpuMemoryUtilization": 1.5}, "workload.gpuMemoryUtilization: Input should be less"),

@@ -141,6 +141,7 @@ def assert_converged(
             "Ready": str(want.phase == "Ready"),
             "Progressing": "False",
             "Degraded": str(want.phase != "Ready"),
+            "CoverageComplete": "True",  # no warm here names a gap
         }, f"{name}: {status['conditions']} {where}"
         for entry in status["arches"]:
             arch = entry["arch"]

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from kernelcache.documents import check_depth, depth_guard
-from kernelcache.errors import SpecError
+from kernelcache.errors import SpecError, and_more
 from kernelcache.spec.describe import describe, first_error, one_line
 from kernelcache.spec.resource import KernelCache
 
@@ -51,11 +51,19 @@ def parse_kernelcache(obj: Any, source: str) -> KernelCache:
         return KernelCache.model_validate(obj, by_alias=True, by_name=False)
     except ValidationError as exc:
         errors = exc.errors()
-        path, what = describe(first_error(errors), KernelCache)
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        first = first_error(errors)
+        path, what = describe(first, KernelCache)
+        others = [describe(e, KernelCache) for e in errors if e is not first]
+        more = and_more([p or w for p, w in others])
         where = f"{path}: " if path else ""
+        details = [
+            f"{source}: {p}: {w}" if p else f"{source}: {w}" for p, w in [(path, what), *others]
+        ]
         raise SpecError(
-            one_line(f"{source}: {where}{what}{more}"), path=source, field=path or None
+            one_line(f"{source}: {where}{what}{more}"),
+            path=source,
+            field=path or None,
+            details=details,
         ) from None
 
 

@@ -170,8 +170,6 @@ class VllmWorkload(BaseModel):
                 "batchSizes",
                 f"{max(self.batch_sizes)} is more than maxNumSeqs ({self.max_num_seqs})",
             )
-        if self.cache_root.rstrip("/") == "":
-            raise rule_error("cacheRoot", "must not be the filesystem root")
         return self
 
     def max_forward_tokens(self) -> int:
