@@ -302,14 +302,24 @@ def test_sigkill_of_the_warm_and_build_commands_keeps_a_verified_current(tmp_pat
     )
     store, key = Store(tmp_path / "store"), "default/kc/sm_90a"
     started = tmp_path / "warming"
-    first = start_cli("warm", spec, store, "first", started)
-    since = wait_until_warming(first, started)
-    while not (store.key_dir(key) / "CURRENT").exists() and first.poll() is None:
-        time.sleep(0.001)
-    span = time.monotonic() - since  # from the warmer's start to the CURRENT swap
-    _, err = first.communicate(timeout=scaled(120))
-    assert first.returncode == 0, err
-    previous = assert_every_generation_verifies(store, key, "first run")
+    # From the warmer's start to the CURRENT swap, the shorter of two runs: the first also
+    # pays a cold start (byte-compiling, caches), so a span of its own alone would let most
+    # kills land after the command finished.
+    spans = []
+    for name in ("first", "second"):
+        current_file = store.key_dir(key) / "CURRENT"
+        before = current_file.read_bytes() if current_file.exists() else b""
+        run = start_cli("warm", spec, store, name, started)
+        since = wait_until_warming(run, started)
+        while run.poll() is None and (
+            not current_file.exists() or current_file.read_bytes() == before
+        ):
+            time.sleep(0.001)
+        spans.append(time.monotonic() - since)
+        _, err = run.communicate(timeout=scaled(120))
+        assert run.returncode == 0, err
+    span = min(spans)
+    previous = assert_every_generation_verifies(store, key, "first runs")
     stamp_digest = store.current_manifest(key).stamp["digest"]
 
     rng = random.Random(KILL_SEED + 2)
