@@ -399,8 +399,6 @@ def replay(worker: Any, vllm_config: Any, coverage: Coverage) -> float:
 
     A kernel the replay had to compile, or a recorded one not loaded by the end, is missing;
     in strict mode Triton's cache manager already refused the compile (a ColdCompileError)."""
-    import torch
-
     started = time.perf_counter()
     here = engine_config(vllm_config, moe_layers(vllm_config))
     if changed := differences(coverage.engine, here):
@@ -409,27 +407,26 @@ def replay(worker: Any, vllm_config: Any, coverage: Coverage) -> float:
             f"enumerated ({changed[0]}): rebuild the KernelCache with this configuration"
         )
     steps, bound = Steps(worker), limits(vllm_config)
-    with torch.inference_mode():
-        for shape, tokens in coverage.representatives():
-            batch = SHAPES[shape](tokens, bound) if shape in SHAPES else None
-            if batch is None:
-                raise ColdCompileError(
-                    f"vllm coverage: the generation names a {shape} batch of {tokens} tokens, "
-                    "which this kernelcache cannot form: rebuild the KernelCache"
-                )
-            try:
-                with loads.during((shape, tokens)) as found:
-                    steps.run(batch)
-            except ColdCompileError as exc:
-                raise ColdCompileError(
-                    f"vllm coverage: a {shape} batch of {tokens} tokens loads a kernel the "
-                    f"generation lacks ({exc})"
-                ) from None
-            if compiled := [load for load in found if load.compiled]:
-                raise ColdCompileError(
-                    f"vllm coverage: {compiled[0].family}: {compiled[0].kernel} for a {shape} "
-                    f"batch of {tokens} tokens had to be compiled: the generation lacks it"
-                )
+    for shape, tokens in coverage.representatives():
+        batch = SHAPES[shape](tokens, bound) if shape in SHAPES else None
+        if batch is None:
+            raise ColdCompileError(
+                f"vllm coverage: the generation names a {shape} batch of {tokens} tokens, "
+                "which this kernelcache cannot form: rebuild the KernelCache"
+            )
+        try:
+            with loads.during((shape, tokens)) as found:
+                steps.run(batch)
+        except ColdCompileError as exc:
+            raise ColdCompileError(
+                f"vllm coverage: a {shape} batch of {tokens} tokens loads a kernel the "
+                f"generation lacks ({exc})"
+            ) from None
+        if compiled := [load for load in found if load.compiled]:
+            raise ColdCompileError(
+                f"vllm coverage: {compiled[0].family}: {compiled[0].kernel} for a {shape} "
+                f"batch of {tokens} tokens had to be compiled: the generation lacks it"
+            )
     _synchronize()
     if lost := [spec for spec in coverage.specializations() if spec.hash not in loads.hashes]:
         raise ColdCompileError(

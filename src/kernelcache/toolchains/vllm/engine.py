@@ -18,12 +18,9 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernelcache.toolchains.vllm import adapter
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

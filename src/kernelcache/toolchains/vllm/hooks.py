@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernelcache.errors import ColdCompileError, StampMismatchError
 from kernelcache.runtime import metrics, ready
@@ -22,9 +22,6 @@ from kernelcache.toolchains import flashinfer
 from kernelcache.toolchains.vllm import adapter, coverage, tuning
 from kernelcache.toolchains.vllm.cache_root import ENV, MODEL_FACTOR, PLAN_DIR
 from kernelcache.toolchains.vllm.coverage import Coverage
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
